@@ -1,0 +1,59 @@
+// CUDA streams and events owned by fastpipe (RAII), the GPU backend of a lane.
+#pragma once
+
+#include "cuda_runtime.h"
+
+namespace fastpipe {
+
+// A stream created by fastpipe with a chosen priority, rather than borrowed
+// from torch's pool of 32 per device, which hands the same stream to
+// unrelated users. Its handle goes to torch as torch.cuda.ExternalStream.
+class CudaStream {
+ public:
+  CudaStream(int device, int priority);
+  ~CudaStream();
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+
+  cudaStream_t get() const { return stream_; }
+  int device() const { return device_; }
+  int priority() const { return priority_; }
+  void synchronize() const;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  int device_;
+  int priority_;
+};
+
+// An event without timing (cheaper to record and wait on).
+class CudaEvent {
+ public:
+  CudaEvent();
+  ~CudaEvent();
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  void record(cudaStream_t stream);
+  // Makes `stream` wait on the GPU (the host does not block).
+  void block(cudaStream_t stream) const;
+  bool query() const;
+  void synchronize() const;
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// Runs `fn` with `device` current, restoring the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace fastpipe

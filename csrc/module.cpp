@@ -1,0 +1,101 @@
+// fastpipe._C: the lane ring. Loaded only through fastpipe/_ext.py.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+
+#include "checks.h"
+#include "event.h"
+#include "host_ring.h"
+
+namespace py = pybind11;
+
+namespace fastpipe {
+
+#ifdef FASTPIPE_WITH_CUDA
+void bind_cuda(py::module_& m);
+#endif
+
+namespace {
+
+// Waits in short slices so Ctrl-C reaches the main thread while it waits.
+py::object event_wait(const EventPtr& event, std::optional<double> timeout) {
+  FP_CHECK_VALUE(!timeout || *timeout >= 0.0, "timeout must be >= 0 or None, got ",
+                 timeout.value_or(0.0));
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  for (;;) {
+    double slice = 0.05;
+    if (timeout) {
+      double left = *timeout - std::chrono::duration<double>(clock::now() - start).count();
+      slice = std::max(0.0, std::min(slice, left));
+    }
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = event->wait_for(slice);
+    }
+    if (done) break;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (timeout && std::chrono::duration<double>(clock::now() - start).count() >= *timeout) {
+      std::string msg = fp_msg("event not done within timeout=", *timeout, " s");
+      PyErr_SetString(PyExc_TimeoutError, msg.c_str());
+      throw py::error_already_set();
+    }
+  }
+  return event->result_or_raise();
+}
+
+}  // namespace
+
+}  // namespace fastpipe
+
+PYBIND11_MODULE(_C, m) {
+  using namespace fastpipe;
+  m.doc() = "fastpipe's native lane ring (private; use fastpipe.runtime).";
+
+  py::class_<EventState, EventPtr>(m, "Event",
+                                   "Completion of one task submitted to a ring lane.")
+      .def("wait", &event_wait, py::arg("timeout") = py::none(),
+           "Block (GIL released) until the task ran; return its value or re-raise its "
+           "exception. Raises TimeoutError after `timeout` seconds.")
+      .def("done", &EventState::done)
+      .def("failed", &EventState::failed)
+      .def("__repr__", [](const EventState& e) {
+        return std::string("<fastpipe._C.Event ") +
+               (e.done() ? (e.failed() ? "failed>" : "done>") : "pending>");
+      });
+
+  py::class_<HostRing>(m, "HostRing", "N lanes, each a worker thread with a FIFO queue.")
+      .def(py::init<int>(), py::arg("lanes"))
+      .def("submit", &HostRing::submit, py::arg("lane"), py::arg("fn"),
+           py::arg("after") = std::vector<EventPtr>{},
+           "Queue fn() on `lane`, to run after every event in `after`; returns its Event.")
+      .def("close", &HostRing::close, py::arg("cancel_pending") = false)
+      .def_property_readonly("lanes", &HostRing::lanes)
+      .def_property_readonly("closed", &HostRing::closed)
+      .def("pending", &HostRing::pending)
+      .def("__enter__", [](HostRing& r) -> HostRing& { return r; },
+           py::return_value_policy::reference)
+      .def("__exit__", [](HostRing& r, py::args) { r.close(/*cancel_pending=*/false); });
+
+  m.def("_live_events", &EventState::live, "EventState objects alive (for leak tests).");
+
+#ifdef FASTPIPE_WITH_CUDA
+  m.attr("cuda_compiled") = true;
+  bind_cuda(m);
+#else
+  m.attr("cuda_compiled") = false;
+  m.def("cuda_status", [] {
+    return std::string("fastpipe was built without the CUDA backend (FASTPIPE_CUDA=0 or no "
+                       "CUDA headers at build time)");
+  });
+#endif
+
+  // Close every ring before the interpreter tears down, so no worker thread
+  // tries to take the GIL of a dying interpreter.
+  py::module_::import("atexit").attr("register")(
+      py::cpp_function([] { HostRing::close_all(); }));
+}

@@ -1,0 +1,5 @@
+"""``python -m fastpipe``: the command-line interface (see fastpipe._cli)."""
+
+from fastpipe._cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""The one place that loads the native extension ``fastpipe._C``.
+
+Loading is lazy (nothing happens at ``import fastpipe``) and a missing or broken
+build turns into a single ImportError that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+
+@functools.cache
+def native() -> ModuleType:
+    """Returns ``fastpipe._C``, importing it on first use.
+
+    Raises:
+        ImportError: the extension is missing or does not load; the message names
+            the fix.
+    """
+    try:
+        return importlib.import_module("fastpipe._C")
+    except ImportError as err:
+        raise ImportError(
+            f"fastpipe's native extension fastpipe._C could not be loaded ({err}). "
+            "Build it with `pip install -e .` in the fastpipe source tree "
+            "(or reinstall fastpipe)."
+        ) from err

@@ -1,0 +1,3 @@
+"""The package version, read by pyproject.toml and fastpipe.__version__."""
+
+__version__ = "0.1.0"
