@@ -18,6 +18,10 @@ void bind_cuda(py::module_& m) {
       },
       "Why the CUDA backend can or cannot be used in this process (loads libcudart once).");
 
+  m.def(
+      "cuda_runtime_available", [] { return cuda_api().loaded; },
+      "True when a CUDA runtime with at least one device was found at run time.");
+
   py::class_<CudaStream>(m, "CudaStream")
       .def(py::init<int, int>(), py::arg("device"), py::arg("priority") = 0)
       .def_property_readonly(

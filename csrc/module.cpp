@@ -84,10 +84,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_live_events", &EventState::live, "EventState objects alive (for leak tests).");
 
 #ifdef FASTPIPE_WITH_CUDA
-  m.attr("cuda_compiled") = true;
+  m.attr("has_cuda") = true;
   bind_cuda(m);
 #else
-  m.attr("cuda_compiled") = false;
+  m.attr("has_cuda") = false;
+  m.def("cuda_runtime_available", [] { return false; });
   m.def("cuda_status", [] {
     return std::string("fastpipe was built without the CUDA backend (FASTPIPE_CUDA=0 or no "
                        "CUDA headers at build time)");
