@@ -1,9 +1,29 @@
 """fastpipe: pipeline-parallel training for PyTorch.
 
-Importing this package runs nothing: the native extension and the subpackages
-load when first used.
+    from fastpipe import Pipe
+    pipe = Pipe(model, chunks=8, schedule="zbv", devices=["cpu", "cpu"])
+    loss = pipe.step(x, target, loss_fn)
+
+Importing this package runs nothing (not even ``import torch``): the public
+names load on first access.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from fastpipe._version import __version__
 
-__all__ = ["__version__"]
+__all__ = ["Pipe", "__version__", "balance", "schedules"]
+
+_LAZY = {"Pipe": "fastpipe.pipe"}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in ("balance", "schedules", "runtime"):
+        return importlib.import_module(f"fastpipe.{name}")
+    raise AttributeError(f"module 'fastpipe' has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""Splitting a batch into microbatches and flattening stage values to tensors.
+
+A stage receives exactly what ``nn.Sequential`` would pass its first layer:
+one tensor, or one tuple of tensors. Between ranks that value travels as a
+flat list of tensors plus a flag saying whether it was a tuple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Value = Any  # a tensor or a tuple of tensors: what one layer passes the next
+
+
+def split(batch: Value, chunks: int) -> list[Value]:
+    """Splits ``batch`` (a tensor or tuple of tensors) along dim 0 into ``chunks`` parts.
+
+    Sizes differ by at most one, like ``torch.tensor_split``, so there are always
+    exactly ``chunks`` microbatches (``torch.chunk`` may return fewer).
+
+    Raises:
+        TypeError: ``batch`` is neither a tensor nor a tuple of tensors.
+        ValueError: the batch has fewer rows than ``chunks``, or tuple members
+            disagree on the batch size.
+    """
+    if isinstance(batch, torch.Tensor):
+        _check_rows(batch.shape[0] if batch.dim() else 0, chunks)
+        return list(torch.tensor_split(batch, chunks, dim=0))
+    if isinstance(batch, tuple) and batch and all(isinstance(t, torch.Tensor) for t in batch):
+        rows = {t.shape[0] if t.dim() else 0 for t in batch}
+        if len(rows) != 1:
+            raise ValueError(f"tuple members have different batch sizes: {sorted(rows)}")
+        _check_rows(rows.pop(), chunks)
+        parts = [torch.tensor_split(t, chunks, dim=0) for t in batch]
+        return [tuple(p[i] for p in parts) for i in range(chunks)]
+    raise TypeError(
+        f"expected a tensor or a non-empty tuple of tensors, got {type(batch).__name__}"
+    )
+
+
+def _check_rows(rows: int, chunks: int) -> None:
+    if rows < chunks:
+        raise ValueError(
+            f"batch of {rows} rows cannot be split into chunks={chunks} microbatches "
+            "(need at least one row per microbatch)"
+        )
+
+
+def batch_size(batch: Value) -> int:
+    """Rows along dim 0 of a tensor, or of the first member of a tuple."""
+    first = batch[0] if isinstance(batch, tuple) else batch
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
+
+
+def flatten(value: Value) -> tuple[list[torch.Tensor], bool]:
+    """Returns (tensors, is_tuple) for a stage output.
+
+    Raises:
+        TypeError: the value holds something other than tensors.
+    """
+    if isinstance(value, torch.Tensor):
+        return [value], False
+    if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
+        return list(value), True
+    kind = type(value).__name__
+    if isinstance(value, tuple):
+        kind = "tuple of " + ", ".join(type(v).__name__ for v in value)
+    raise TypeError(f"a stage must return a tensor or a tuple of tensors, got {kind}")
+
+
+def unflatten(tensors: Sequence[torch.Tensor], is_tuple: bool) -> Value:
+    """Inverse of ``flatten``."""
+    return tuple(tensors) if is_tuple else tensors[0]
+
+
+def gather(outputs: Sequence[Value]) -> Value:
+    """Concatenates microbatch outputs along dim 0 (tuples member-wise)."""
+    if isinstance(outputs[0], tuple):
+        return tuple(torch.cat([o[i] for o in outputs]) for i in range(len(outputs[0])))
+    return torch.cat(list(outputs))
+
+
+def needs_grad(t: torch.Tensor) -> bool:
+    """Whether a tensor crossing a boundary carries a gradient back."""
+    return t.requires_grad and (t.is_floating_point() or t.is_complex())

@@ -1,0 +1,363 @@
+"""``Pipe``: the ``nn.Sequential`` drop-in that trains with a pipeline schedule."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpipe import _microbatch as mbatch
+from fastpipe.balance import balance_by_params
+from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
+from fastpipe.runtime.transport import DistTransport, LocalTransport, Mailbox, PeerError
+from fastpipe.schedules import Action, Kind, Schedule, build, lower
+
+log = logging.getLogger(__name__)
+
+DeviceLike = str | int | torch.device
+_LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+class Pipe(nn.Module):
+    """Pipeline-parallel wrapper of an ``nn.Sequential``.
+
+    The model's children are split into ``ranks × stages_per_rank`` stages of
+    contiguous layers and run by a schedule over ``chunks`` microbatches.
+
+    * **Local mode** (``torch.distributed`` not initialized): each pipeline
+      rank is a lane of fastpipe's native ring in this process, on its own
+      entry of ``devices``; ``devices=["cpu", "cpu"]`` is a real two-rank
+      pipeline.
+    * **Distributed mode** (a process group is initialized, e.g. by torchrun):
+      one pipeline rank per process; each process runs only its own stages and
+      exchanges activations and gradients with isend/irecv. All ranks pass the
+      same arguments; inputs are read on the rank of the first stage, targets
+      on the rank of the last (others may pass ``None``).
+
+    The user's layer objects are kept, not copied: an optimizer built on
+    ``model.parameters()`` keeps working. In local mode each stage's layers
+    are moved to its device.
+
+    Gradient semantics: after ``step(x, target, loss_fn)`` every parameter of
+    a stage held by this process has, accumulated into its ``.grad`` like a
+    normal backward, the gradient of the mean over microbatches of
+    ``loss_fn(model(x_mb), target_mb)``; parameters of other ranks' stages get
+    none. ``step`` returns that mean loss, detached, on every rank.
+
+    Args:
+        model: the ``nn.Sequential`` to split.
+        chunks: microbatches per step; the batch is split along dim 0 into
+            exactly this many parts (sizes differ by at most one).
+        schedule: a name from ``fastpipe.schedules.names()`` or a ``Schedule``.
+        balance: layers per stage, e.g. ``[3, 5]``; None balances parameter counts.
+        devices: local mode: one device per pipeline rank. Distributed mode:
+            optional, one per rank (default: CPU for gloo, the current CUDA
+            device for NCCL).
+        stages_per_rank: virtual stages per rank (interleaved, looped, V schedules).
+        group: the process group (default: the world, when initialized).
+        timeout: seconds a rank waits for a peer before raising TimeoutError.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> pipe = Pipe(model, chunks=4, schedule="1f1b", devices=["cpu", "cpu"])
+        >>> loss = pipe.step(torch.randn(16, 8), torch.randn(16, 1), nn.functional.mse_loss)
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        chunks: int = 8,
+        schedule: str | Schedule = "1f1b",
+        balance: Sequence[int] | None = None,
+        devices: Sequence[DeviceLike] | None = None,
+        stages_per_rank: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        _check_model(model)
+        _check_chunks(chunks)
+        self.module = model
+        self.chunks = chunks
+        self.timeout = float(timeout)
+        self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
+        self.group = group
+        ranks = dist.get_world_size(group) if self.distributed else None
+        self.devices = _resolve_devices(devices, ranks, self.distributed, group)
+        ranks = len(self.devices) if ranks is None else ranks
+        self.schedule = _resolve_schedule(schedule, ranks, chunks, stages_per_rank)
+        self.balance = _resolve_balance(balance, model, self.schedule.stages)
+        _check_no_shared_params(model, self.balance)
+        self.rank = dist.get_rank(group) if self.distributed else None
+        self._lowered = lower(self.schedule)
+        self._forward_only = lower(_forward_schedule(self.schedule))
+        self._stages = self._build_stages()
+        self._ring = None
+        log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
+
+    # --- set-up ----------------------------------------------------------------
+
+    def _local_ranks(self) -> list[int]:
+        return list(range(self.schedule.ranks)) if not self.distributed else [self.rank]
+
+    def _build_stages(self) -> dict[int, dict[int, Stage]]:
+        layers = list(self.module.children())
+        bounds = [0]
+        for n in self.balance:
+            bounds.append(bounds[-1] + n)
+        stages: dict[int, dict[int, Stage]] = {}
+        for rank in self._local_ranks():
+            device = self.devices[rank]
+            held = {}
+            for s in range(self.schedule.stages):
+                if self.schedule.stage_to_rank[s] == rank:
+                    part = nn.Sequential(*layers[bounds[s] : bounds[s + 1]]).to(device)
+                    held[s] = Stage(s, part, device)
+            stages[rank] = held
+        return stages
+
+    def _transport(self, rank: int, mailbox: Mailbox | None):
+        if self.distributed:
+            return DistTransport(self.group, self.devices[rank], self.schedule.stages, self.timeout)
+        return LocalTransport(mailbox, rank, self.devices, self.timeout)
+
+    # --- running -----------------------------------------------------------------
+
+    def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+        """One training step: forward and backward of every microbatch.
+
+        Returns:
+            The mean over microbatches of ``loss_fn``, detached, on every rank.
+
+        Raises:
+            RuntimeError: called with gradients disabled (``torch.no_grad()``).
+            ValueError / TypeError: inputs that cannot be split into ``chunks``.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipe.step needs autograd; it was called inside torch.no_grad()")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        inputs, targets = self._split_inputs(x, target)
+        results = self._run(self._lowered, inputs, targets, loss_fn, train=True)
+        return self._mean_loss(results)
+
+    def forward(self, x: Any) -> Any:
+        """Inference: ``model(x)`` computed microbatch by microbatch, without autograd.
+
+        Returns:
+            The output (concatenated along dim 0) on the rank of the last stage;
+            ``None`` on other ranks in distributed mode.
+        """
+        inputs, _ = self._split_inputs(x, None)
+        results = self._run(self._forward_only, inputs, None, None, train=False)
+        if not results:
+            return None
+        return mbatch.gather([results[mb] for mb in range(self.chunks)])
+
+    def _owner(self, stage: int) -> int:
+        return self.schedule.stage_to_rank[stage]
+
+    def _split_inputs(self, x: Any, target: Any):
+        holds_first = not self.distributed or self.rank == self._owner(0)
+        holds_last = not self.distributed or self.rank == self._owner(self.schedule.stages - 1)
+        inputs = mbatch.split(x, self.chunks) if holds_first else None
+        targets = None
+        if target is not None and holds_last:
+            if holds_first and mbatch.batch_size(target) != mbatch.batch_size(x):
+                raise ValueError(
+                    f"x and target have different batch sizes: {mbatch.batch_size(x)} and "
+                    f"{mbatch.batch_size(target)}"
+                )
+            targets = mbatch.split(target, self.chunks)
+        return inputs, targets
+
+    def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool) -> dict[int, Any]:
+        if self.distributed:
+            executor = RankExecutor(self.rank, schedule, self._stages[self.rank], self._transport(self.rank, None))
+            return executor.run(inputs, targets, loss_fn, train)
+        return self._run_local(schedule, inputs, targets, loss_fn, train)
+
+    def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
+        from fastpipe._ext import native
+
+        if self._ring is None:
+            self._ring = native().HostRing(schedule.ranks)
+        mailbox = Mailbox()
+        last_rank = self._owner(schedule.stages - 1)
+
+        def run_rank(rank: int):
+            executor = RankExecutor(rank, schedule, self._stages[rank], self._transport(rank, mailbox))
+            try:
+                return executor.run(inputs, targets, loss_fn, train)
+            except BaseException as exc:
+                mailbox.fail(rank, exc)
+                raise
+
+        events = [self._ring.submit(r, lambda r=r: run_rank(r)) for r in range(schedule.ranks)]
+        try:
+            outcomes = [_outcome(ev) for ev in events]
+        except KeyboardInterrupt as exc:
+            mailbox.fail(-1, exc)  # unblock the workers, then let them finish
+            for ev in events:
+                _outcome(ev)
+            raise
+        if mailbox.first_failure is not None:
+            raise mailbox.first_failure[1]
+        for value in outcomes:
+            if isinstance(value, BaseException):
+                raise value
+        return outcomes[last_rank]
+
+    def _mean_loss(self, results: dict[int, torch.Tensor]) -> torch.Tensor:
+        if results:
+            loss = torch.stack([results[mb] for mb in range(self.chunks)]).mean()
+            if not self.distributed:
+                return loss
+            code = float(_LOSS_DTYPES.index(loss.dtype)) if loss.dtype in _LOSS_DTYPES else 0.0
+            packed = torch.stack([loss.double().cpu(), torch.tensor(code, dtype=torch.float64)])
+        else:
+            packed = torch.zeros(2, dtype=torch.float64)
+        # The loss's dtype is only known where it was computed: send it along.
+        device = self.devices[self.rank]
+        packed = packed.to(device)
+        src = self._owner(self.schedule.stages - 1)
+        src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast(packed, src=src, group=self.group)
+        return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
+
+    def close(self) -> None:
+        """Stops the local mode's worker lanes (also done at interpreter exit)."""
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    def extra_repr(self) -> str:
+        return f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}"
+
+
+def _outcome(event) -> Any:
+    try:
+        return event.wait()
+    except PeerError as exc:
+        return exc
+    except Exception as exc:  # noqa: BLE001 - reported after every rank stopped
+        return exc
+
+
+# --- argument checks -------------------------------------------------------------
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"Pipe needs an nn.Sequential, got {type(model).__name__}")
+    if len(model) == 0:
+        raise ValueError("Pipe needs an nn.Sequential with at least one layer, got an empty one")
+
+
+def _check_chunks(chunks: Any) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"chunks must be an int, got {type(chunks).__name__} ({chunks!r})")
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+
+
+def _resolve_devices(devices, ranks, distributed, group) -> list[torch.device]:
+    if devices is None:
+        if distributed:
+            backend = dist.get_backend(group)
+            if backend == "nccl":
+                return [torch.device("cuda", torch.cuda.current_device())] * ranks
+            return [torch.device("cpu")] * ranks
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(
+                "local mode needs devices, one per pipeline rank, e.g. devices=['cpu', 'cpu']"
+            )
+        return [torch.device("cuda", i) for i in range(count)]
+    if isinstance(devices, (str, torch.device, int)) or len(devices) == 0:
+        raise ValueError(f"devices must be a non-empty list, one per pipeline rank, got {devices!r}")
+    out = []
+    for d in devices:
+        try:
+            out.append(torch.device(d))
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"unknown device {d!r} in devices={list(devices)!r}") from err
+    if ranks is not None and len(out) != ranks:
+        raise ValueError(f"devices has {len(out)} entries but the process group has {ranks} ranks")
+    return out
+
+
+def _resolve_schedule(schedule, ranks: int, chunks: int, stages_per_rank) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if schedule.ranks != ranks or schedule.microbatches != chunks:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.ranks} ranks and "
+                f"{schedule.microbatches} microbatches, but the pipe has {ranks} ranks and "
+                f"chunks={chunks}"
+            )
+        schedule.validate()
+        return schedule
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be a name or a Schedule, got {type(schedule).__name__}")
+    return build(schedule, ranks, chunks, stages_per_rank)
+
+
+def _resolve_balance(balance, model: nn.Sequential, stages: int) -> list[int]:
+    if len(model) < stages:
+        raise ValueError(
+            f"the model has {len(model)} layers but the schedule has {stages} stages "
+            "(each stage needs at least one layer)"
+        )
+    if balance is None:
+        return balance_by_params(stages, model)
+    balance = list(balance)
+    if len(balance) != stages:
+        raise ValueError(
+            f"balance has {len(balance)} entries but the schedule has {stages} stages: {balance}"
+        )
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance):
+        raise ValueError(f"every balance entry must be a positive int, got {balance}")
+    if sum(balance) != len(model):
+        raise ValueError(
+            f"module and sum of balance have different length (module: {len(model)}, "
+            f"sum of balance: {sum(balance)})"
+        )
+    return balance
+
+
+def _check_no_shared_params(model: nn.Sequential, balance: list[int]) -> None:
+    owner: dict[int, int] = {}
+    layer = 0
+    for stage, n in enumerate(balance):
+        for child in list(model.children())[layer : layer + n]:
+            for name, p in child.named_parameters():
+                seen = owner.setdefault(id(p), stage)
+                if seen != stage:
+                    raise ValueError(
+                        f"parameter {name!r} of layer {layer} is shared by stages {seen} and "
+                        f"{stage} (tied weights across stages are not supported); put the "
+                        "layers that share it into one stage with balance="
+                    )
+            layer += 1
+
+
+def _forward_schedule(schedule: Schedule) -> Schedule:
+    """Forward-only actions with the same placement: per rank, stage by stage."""
+    actions = []
+    for rank in range(schedule.ranks):
+        held = [s for s in range(schedule.stages) if schedule.stage_to_rank[s] == rank]
+        actions.append(
+            [Action(s, Kind.F, mb) for s in held for mb in range(schedule.microbatches)]
+        )
+    return Schedule(
+        name=f"{schedule.name}-forward",
+        ranks=schedule.ranks,
+        stages=schedule.stages,
+        microbatches=schedule.microbatches,
+        stage_to_rank=tuple(schedule.stage_to_rank),
+        actions=actions,
+    )

@@ -1,0 +1,185 @@
+"""Backward passes of one stage: full (B), input-only (I) and weight-only (W).
+
+Zero-bubble schedules split a stage's backward in two. ``I`` must produce the
+gradient the previous stage is waiting for as early as possible; ``W`` fills
+idle time later. Running autograd twice from the stage outputs would compute
+the input-gradient path twice, so ``I`` records where the weight-only part of
+the graph hangs off the input path, and ``W`` restarts autograd from there:
+
+    outputs ──► N1 ──► N2 ──► ... ──► inputs        (I walks this path)
+                │      │
+                ▼      ▼
+             weights weights                        (W walks only these)
+
+A *cut node* is a node on the input path with an edge into a subgraph that
+reaches parameters but not the inputs (for a Linear: its AddmmBackward). Its
+incoming gradient is complete when I runs it; a pre-hook keeps that gradient
+and W calls autograd on ``GradientEdge(cut node, i)`` with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class WeightGroup:
+    """One autograd call of W: restart at ``edges`` and stop at ``params``."""
+
+    edges: list[GradientEdge] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class WeightWork:
+    """What ``backward_weight`` needs: one group per cut node (and per root
+    whose graph never reaches the inputs)."""
+
+    groups: list[WeightGroup] = field(default_factory=list)
+
+
+def backward_full(
+    roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> None:
+    """B: one autograd pass; parameter and (leaf) input ``.grad`` accumulate."""
+    if roots:
+        torch.autograd.backward(list(roots), list(grads))
+
+
+def _reach(roots: list[Node], targets: set[Node]) -> dict[Node, bool]:
+    """For every node reachable from ``roots``: can it reach one of ``targets``?"""
+    memo: dict[Node, bool] = {}
+    # Iterative post-order DFS: stage graphs can be deep (thousands of nodes).
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    while stack:
+        node, expanded = stack.pop()
+        if node in memo and not expanded:
+            continue
+        children = [n for n, _ in node.next_functions if n is not None]
+        if expanded:
+            memo[node] = node in targets or any(memo.get(c, False) for c in children)
+            continue
+        memo.setdefault(node, node in targets)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if c not in memo)
+    return memo
+
+
+def backward_input(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor | None], WeightWork]:
+    """I: gradients for ``inputs`` only, keeping what W needs for ``params``.
+
+    Returns:
+        The input gradients (None where an input gets none) and the pending
+        weight work to pass to ``backward_weight``.
+    """
+    work = WeightWork()
+    root_nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
+    by_node = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
+    input_nodes = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
+    to_input = _reach(root_nodes, input_nodes)
+    to_param = _reach(root_nodes, set(by_node))
+
+    def weight_only(node: Node | None) -> bool:
+        return node is not None and to_param.get(node, False) and not to_input.get(node, False)
+
+    captured: dict[Node, tuple] = {}
+    handles = []
+    cut_params: dict[Node, list[torch.Tensor]] = {}
+    for node, reaches_input in to_input.items():
+        if not reaches_input:
+            continue
+        branches = [c for c, _ in node.next_functions if weight_only(c)]
+        if branches:
+            cut_params[node] = _params_below(branches, by_node)
+            handles.append(node.register_prehook(_keeper(captured, node)))
+    try:
+        input_grads = _input_grads(roots, grads, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    for node, node_grads in captured.items():
+        edges = [GradientEdge(node, i) for i, g in enumerate(node_grads) if g is not None]
+        if edges:
+            kept = [g for g in node_grads if g is not None]
+            work.groups.append(WeightGroup(edges, kept, cut_params[node]))
+    # Roots whose graph never touches the inputs (the first stage, whose input
+    # needs no gradient): W runs their whole backward.
+    for root, grad in zip(roots, grads):
+        if weight_only(root.grad_fn):
+            g = grad if grad is not None else torch.ones_like(root)
+            work.groups.append(
+                WeightGroup([get_gradient_edge(root)], [g], _params_below([root.grad_fn], by_node))
+            )
+    return input_grads, work
+
+
+def _params_below(nodes: list[Node], by_node: dict[Node, torch.Tensor]) -> list[torch.Tensor]:
+    """Parameters whose AccumulateGrad is reachable from ``nodes``."""
+    seen: set[Node] = set()
+    found: list[torch.Tensor] = []
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in by_node:
+            found.append(by_node[node])
+        stack.extend(c for c, _ in node.next_functions if c is not None and c not in seen)
+    return found
+
+
+def _keeper(captured: dict, node: Node):
+    def hook(grad_outputs):
+        captured[node] = tuple(grad_outputs)
+
+    return hook
+
+
+def _input_grads(roots, grads, inputs) -> list[torch.Tensor | None]:
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    out: list[torch.Tensor | None] = [None] * len(inputs)
+    if not wanted:
+        return out
+    got = torch.autograd.grad(
+        list(roots),
+        [inputs[i] for i in wanted],
+        list(grads),
+        retain_graph=True,  # W still needs the saved tensors
+        allow_unused=True,
+    )
+    for i, g in zip(wanted, got):
+        out[i] = g
+    return out
+
+
+def backward_weight(work: WeightWork) -> None:
+    """W: accumulate parameter gradients from the edges I kept.
+
+    One autograd call per group: a single call from all edges would also walk
+    the input path between them again (and count lower layers twice).
+    """
+    for group in work.groups:
+        if not group.params:
+            continue
+        got = torch.autograd.grad(
+            group.edges, group.params, group.grads, retain_graph=True, allow_unused=True
+        )
+        for p, g in zip(group.params, got):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+    work.groups.clear()

@@ -1,0 +1,217 @@
+"""One executor loop for every schedule: run a rank's lowered action list.
+
+The schedule says *what* to run; this module knows *how*: each action kind
+maps to one small verb (``_forward``, ``_backward``, ``_send_f`` ...). A
+rank's state lives in dicts keyed by ``(stage, microbatch)`` and every entry
+is dropped as soon as the last action that needs it has run, so memory
+follows the schedule's in-flight count.
+
+Data flow of one microbatch across a rank boundary (stage s on this rank):
+
+    RECV_F ──► F(s) ──► SEND_F          forward: activations to stage s+1
+    RECV_B ──► B/I(s) ──► SEND_B        backward: input gradients to s-1
+                    └──► W(s)           zero-bubble: weight gradients later
+
+Transfers between two stages of the same rank (V placements, interleaving
+with one rank) need no communication: the value goes into ``_local``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
+from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
+from fastpipe.schedules import Action, Kind, Schedule
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass
+class Stage:
+    """One contiguous slice of the user's layers, placed on a device."""
+
+    index: int
+    module: nn.Sequential
+    device: torch.device
+    params: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+
+@dataclass
+class _Saved:
+    """What backward needs from one F: graph roots and the stage's input leaves."""
+
+    roots: list[torch.Tensor]
+    leaves: list[torch.Tensor]
+    grads: list[torch.Tensor | None] | None = None  # set once received
+
+
+class RankExecutor:
+    """Runs the actions of one pipeline rank for one step.
+
+    Args:
+        rank: this rank's index in the schedule.
+        schedule: the lowered schedule (compute and communication actions).
+        stages: the stages this rank holds, by stage index.
+        transport: a LocalTransport or DistTransport for this rank.
+    """
+
+    def __init__(self, rank: int, schedule: Schedule, stages: dict[int, Stage], transport) -> None:
+        self.rank = rank
+        self.schedule = schedule
+        self.stages = stages
+        self.transport = transport
+        self.actions: Sequence[Action] = schedule.actions[rank]
+        self._verbs = {
+            Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
+            Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: self._recv,
+            Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv,
+        }
+
+    # --- the loop -------------------------------------------------------------
+
+    def run(
+        self,
+        inputs: Sequence[Value] | None,
+        targets: Sequence[Any] | None,
+        loss_fn: LossFn | None,
+        train: bool,
+    ) -> dict[int, Any]:
+        """Runs every action of this rank in order.
+
+        Returns:
+            On the rank of the last stage: ``{microbatch: loss}`` when training,
+            ``{microbatch: output}`` otherwise. Elsewhere an empty dict.
+        """
+        self._inputs, self._targets, self._loss_fn, self._train = inputs, targets, loss_fn, train
+        self._pending: dict[tuple[str, int, int], Any] = {}
+        self._local: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
+        self._saved: dict[tuple[int, int], _Saved] = {}
+        self._outbox: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
+        self._weights: dict[tuple[int, int], WeightWork] = {}
+        self._results: dict[int, Any] = {}
+        grad_mode = torch.enable_grad() if train else torch.no_grad()
+        with grad_mode:
+            for action in self.actions:
+                self._verbs[action.kind](action)
+            self.transport.finish()
+        leftovers = self._saved.keys() | self._weights.keys()
+        if leftovers:
+            raise AssertionError(f"rank {self.rank}: schedule left work undone for {sorted(leftovers)}")
+        return self._results
+
+    # --- communication verbs ----------------------------------------------------
+
+    def _owner(self, stage: int) -> int:
+        return self.schedule.stage_to_rank[stage]
+
+    def _recv(self, a: Action) -> None:
+        if a.kind == Kind.RECV_F:
+            key, src = ("F", a.stage, a.microbatch), self._owner(a.stage - 1)
+        else:
+            key, src = ("B", a.stage, a.microbatch), self._owner(a.stage + 1)
+        self._pending[key] = self.transport.recv(src, key)
+
+    def _take(self, key: tuple[str, int, int], src_stage: int) -> tuple[list[torch.Tensor], bool]:
+        if key in self._local:
+            return self._local.pop(key)
+        pending = self._pending.pop(key, None)
+        if pending is None:  # an unlowered schedule, or a receive not posted early
+            pending = self.transport.recv(self._owner(src_stage), key)
+        return pending.wait()
+
+    def _deliver(self, key: tuple[str, int, int], dst_stage: int, payload) -> None:
+        """Hands a value to another stage: in memory if it is ours, else queued for SEND."""
+        if dst_stage in self.stages:
+            tensors, is_tuple = payload
+            self._local[key] = ([t.detach().requires_grad_(needs_grad(t)) for t in tensors], is_tuple)
+        else:
+            self._outbox[key] = payload
+
+    def _send_f(self, a: Action) -> None:
+        key = ("F", a.stage + 1, a.microbatch)
+        tensors, is_tuple = self._outbox.pop(key)
+        self.transport.send(tensors, is_tuple, self._owner(a.stage + 1), key)
+
+    def _send_b(self, a: Action) -> None:
+        key = ("B", a.stage - 1, a.microbatch)
+        tensors, is_tuple = self._outbox.pop(key)
+        self.transport.send(tensors, is_tuple, self._owner(a.stage - 1), key)
+
+    # --- compute verbs -----------------------------------------------------------
+
+    def _forward(self, a: Action) -> None:
+        stage, mb = self.stages[a.stage], a.microbatch
+        if a.stage == 0:
+            value = self._inputs[mb]
+            leaves = [t.to(stage.device) for t in flatten(value)[0]]
+            is_tuple = isinstance(value, tuple)
+        else:
+            received, is_tuple = self._take(("F", a.stage, mb), a.stage - 1)
+            leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
+        out = stage.module(unflatten(leaves, is_tuple))
+        last = a.stage == self.schedule.stages - 1
+        if last:
+            self._finish_forward(mb, out, leaves)
+            return
+        tensors, out_tuple = flatten(out)
+        self._deliver(("F", a.stage + 1, mb), a.stage + 1, (tensors, out_tuple))
+        if self._train:
+            roots = [t for t in tensors if needs_grad(t)]
+            self._saved[(a.stage, mb)] = _Saved(roots, leaves)
+
+    def _finish_forward(self, mb: int, out: Value, leaves: list[torch.Tensor]) -> None:
+        if not self._train:
+            self._results[mb] = out
+            return
+        loss = self._loss_fn(out, self._targets[mb])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        self._results[mb] = loss.detach().reshape(())
+        scaled = loss.reshape(()) / self.schedule.microbatches  # the mean over microbatches
+        self._saved[(self.schedule.stages - 1, mb)] = _Saved([scaled], leaves, [None])
+
+    def _grads_for(self, stage: int, mb: int) -> _Saved:
+        saved = self._saved[(stage, mb)]
+        if saved.grads is None:
+            grads, _ = self._take(("B", stage, mb), stage + 1)
+            saved.grads = list(grads)
+        return saved
+
+    def _send_input_grads(self, stage: int, mb: int, leaves, grads) -> None:
+        if stage == 0:
+            return
+        out = [
+            g if g is not None else torch.zeros_like(t)
+            for t, g in zip(leaves, grads)
+            if t.requires_grad
+        ]
+        self._deliver(("B", stage - 1, mb), stage - 1, (out, False))
+
+    def _backward(self, a: Action) -> None:
+        saved = self._grads_for(a.stage, a.microbatch)
+        del self._saved[(a.stage, a.microbatch)]
+        backward_full(saved.roots, saved.grads)
+        self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
+
+    def _backward_input(self, a: Action) -> None:
+        saved = self._grads_for(a.stage, a.microbatch)
+        del self._saved[(a.stage, a.microbatch)]
+        grads, work = backward_input(
+            saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params
+        )
+        self._weights[(a.stage, a.microbatch)] = work
+        self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
+
+    def _backward_weight(self, a: Action) -> None:
+        backward_weight(self._weights.pop((a.stage, a.microbatch)))
+

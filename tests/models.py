@@ -1,0 +1,54 @@
+"""Tiny models shared by the executor tests, and their sequential reference."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TupleOut(nn.Module):
+    """Returns (h, mask, h*2): a float pair and a bool tensor cross the boundary."""
+
+    def forward(self, x):
+        return x, x > 0, x * 2
+
+
+class TupleIn(nn.Module):
+    """Consumes TupleOut's tuple as one argument, like nn.Sequential passes it."""
+
+    def forward(self, value):
+        h, mask, h2 = value
+        return torch.where(mask, h, h2 * 0.5) + h2
+
+
+def mlp(depth: int = 6, width: int = 8, dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(5, width)]
+    for i in range(depth - 2):
+        layers.append(nn.Tanh() if i % 2 else nn.Linear(width, width))
+    layers.append(nn.Linear(width, 3))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def tuple_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, 8), TupleOut(), TupleIn(), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 3)
+    ).to(dtype)
+
+
+def embedding_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """Integer input first: token ids → embedding → per-token MLP."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Embedding(11, 8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3)
+    ).to(dtype)
+
+
+def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
+    """Loss and grads of the unsplit model: mean over microbatches of loss_fn."""
+    xs = torch.tensor_split(x, chunks)
+    ys = torch.tensor_split(y, chunks)
+    loss = sum(loss_fn(model(a), b) for a, b in zip(xs, ys)) / chunks
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
