@@ -52,3 +52,8 @@ def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
     loss = sum(loss_fn(model(a), b) for a, b in zip(xs, ys)) / chunks
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def mlp_deep(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """Enough layers for 4 ranks × 2 stages."""
+    return mlp(depth=10, dtype=dtype, seed=seed)

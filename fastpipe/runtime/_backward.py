@@ -101,7 +101,14 @@ def backward_input(
         branches = [c for c, _ in node.next_functions if weight_only(c)]
         if branches:
             cut_params[node] = _params_below(branches, by_node)
-            handles.append(node.register_prehook(_keeper(captured, node)))
+    if _shared_between_cuts(cut_params):
+        # A weight used twice in the stage is reachable from an upper cut
+        # through the input path, so restarting there would count the lower
+        # use twice. Do the whole backward now; W has nothing left to do.
+        backward_full(roots, grads)
+        return [t.grad if t.requires_grad else None for t in inputs], work
+    for node in cut_params:
+        handles.append(node.register_prehook(_keeper(captured, node)))
     try:
         input_grads = _input_grads(roots, grads, inputs)
     finally:
@@ -137,6 +144,16 @@ def _params_below(nodes: list[Node], by_node: dict[Node, torch.Tensor]) -> list[
             found.append(by_node[node])
         stack.extend(c for c, _ in node.next_functions if c is not None and c not in seen)
     return found
+
+
+def _shared_between_cuts(cut_params: dict[Node, list[torch.Tensor]]) -> bool:
+    seen: set[int] = set()
+    for params in cut_params.values():
+        for p in params:
+            if id(p) in seen:
+                return True
+            seen.add(id(p))
+    return False
 
 
 def _keeper(captured: dict, node: Node):

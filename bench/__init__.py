@@ -1,0 +1,1 @@
+"""fastpipe's benchmarks. Run as ``python -m bench``; nothing runs at import."""

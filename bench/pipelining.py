@@ -1,0 +1,146 @@
+"""fastpipe vs torch.distributed.pipelining: same model, microbatches, schedules.
+
+Two gloo ranks on 127.0.0.1, one intra-op thread each. For every schedule
+both libraries run in the same processes, one after the other, and the
+report gives each one's median step time, their ratio, and efficiency =
+(sequential fwd+bwd of all microbatches ÷ ranks) / step time.
+
+    python -m bench pipelining [--workload compute|overhead|both] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench._runner import median_time, spawn
+
+WORKLOADS = {
+    # name: (width, blocks, batch, microbatches)
+    "compute": (512, 8, 64, 8),
+    "overhead": (128, 8, 64, 16),
+}
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+TWO_STAGES = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"}
+V_SHAPED = {"zbv", "dualpipev"}
+
+
+def make_model(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+          for _ in range(blocks)]
+    )
+
+
+def sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
+    """fwd+bwd of the unsplit model over the same microbatches, one thread."""
+    model = make_model(width, blocks)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+
+    def step():
+        for a, b in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
+            (nn.functional.mse_loss(model(a), b) / chunks).backward()
+
+    return median_time(step, warmup, repeats, lambda: None)
+
+
+def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
+    if schedule in V_SHAPED:
+        return [rank, 2 * ranks - 1 - rank]
+    if schedule in TWO_STAGES:
+        return [rank, rank + ranks]
+    return [rank]
+
+
+def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn):
+    from torch.distributed import pipelining as pp
+
+    classes = {
+        "gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B,
+        "interleaved-1f1b": pp.ScheduleInterleaved1F1B, "looped-bfs": pp.ScheduleLoopedBFS,
+        "zbv": pp.ScheduleZBVZeroBubble, "dualpipev": pp.schedules.ScheduleDualPipeV,
+        # torch has no ZB-H1/H2 for one stage per rank; its interleaved zero-bubble
+        # schedule over one stage per rank is the closest peer.
+        "zb-h1": pp.ScheduleInterleavedZeroBubble, "zb-h2": pp.ScheduleInterleavedZeroBubble,
+    }
+    ids = _torch_stage_ids(schedule, rank, ranks)
+    n_stages = ranks * len(ids)
+    per = len(model) // n_stages
+    stages = [
+        pp.PipelineStage(model[s * per : (s + 1) * per], s, n_stages, torch.device("cpu"))
+        for s in ids
+    ]
+    cls = classes[schedule]
+    single = cls in (pp.ScheduleGPipe, pp.Schedule1F1B)
+    sched = cls(stages[0] if single else stages, n_microbatches=chunks, loss_fn=loss_fn)
+    has_first, has_last = 0 in ids, n_stages - 1 in ids
+
+    def step(x, y):
+        args = (x,) if has_first else ()
+        kwargs = {"target": y, "losses": []} if has_last else {}
+        sched.step(*args, **kwargs)
+
+    return step
+
+
+def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
+    from fastpipe import Pipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    width, blocks, batch, chunks = WORKLOADS[workload]
+    loss_fn = nn.functional.mse_loss
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    rows = {}
+    try:
+        for schedule in schedules:
+            spr = 2 if schedule in TWO_STAGES else None
+            pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+                        stages_per_rank=spr)
+            ours = median_time(lambda: pipe.step(x, y, loss_fn), warmup, repeats, dist.barrier)
+            try:
+                theirs_step = _torch_runner(schedule, make_model(width, blocks), rank, world, chunks, loss_fn)
+                theirs = median_time(lambda: theirs_step(x, y), warmup, repeats, dist.barrier)
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+                theirs = f"n/a ({type(exc).__name__})"
+            rows[schedule] = (ours, theirs)
+    finally:
+        dist.destroy_process_group()
+    queue.put((rank, rows))
+
+
+def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: int = 2) -> None:
+    width, blocks, batch, chunks = WORKLOADS[workload]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    seq = sequential_time(width, blocks, batch, chunks, warmup, repeats)
+    rows = spawn(ranks, _rank_main, workload, schedules, warmup, repeats)[0]
+    ideal = seq / ranks
+    print(f"\n{workload}-bound: {blocks} MLP blocks d={width}, batch {batch}, {chunks} microbatches, "
+          f"{ranks} gloo ranks x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
+    print(f"  {'schedule':<18}{'fastpipe ms':>12}{'torch ms':>12}{'torch/fastpipe':>16}"
+          f"{'eff fastpipe':>14}{'eff torch':>11}")
+    for schedule, (ours, theirs) in rows.items():
+        if isinstance(theirs, str):
+            print(f"  {schedule:<18}{ours * 1e3:>12.1f}{theirs:>12}{'':>16}{ideal / ours:>14.2f}")
+            continue
+        print(f"  {schedule:<18}{ours * 1e3:>12.1f}{theirs * 1e3:>12.1f}{theirs / ours:>16.2f}"
+              f"{ideal / ours:>14.2f}{ideal / theirs:>11.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench pipelining", description=__doc__)
+    parser.add_argument("--workload", choices=["compute", "overhead", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    args = parser.parse_args(argv)
+    workloads = ["compute", "overhead"] if args.workload == "both" else [args.workload]
+    for w in workloads:
+        run(w, args.repeats, args.warmup, args.schedules.split(","))
+    return 0

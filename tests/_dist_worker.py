@@ -1,0 +1,45 @@
+"""Body of the spawned gloo ranks of test_pipe_distributed (one file per rank)."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
+
+
+def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> None:
+    from fastpipe import Pipe
+    from tests import models
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    results = []
+    try:
+        for case in cases:
+            model = getattr(models, case["model"])()
+            pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
+                        balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
+                        timeout=60)
+            losses, outs = [], []
+            for x, y in case["batches"]:
+                losses.append(pipe.step(x, y, nn.functional.mse_loss))
+                with torch.no_grad():
+                    outs.append(pipe(x))
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            results.append({"losses": losses, "grads": grads, "outs": outs})
+        torch.save({"ok": results}, out_path)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out_path)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world, init, cases_path, out = sys.argv[1:]
+    run(int(rank), int(world), init, torch.load(cases_path, weights_only=False), out)

@@ -1,0 +1,62 @@
+"""The executor on the IR alone, and the I/W split of one stage's backward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastpipe.runtime._backward import backward_full, backward_input, backward_weight
+from tests.models import mlp, tuple_model
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_input_then_weight_equals_full_backward():
+    torch.manual_seed(0)
+    for build in (mlp, tuple_model):
+        full, split = build(), build()
+        x = torch.randn(7, 5, dtype=torch.float64)
+        out = full(x.clone().requires_grad_())
+        g = torch.randn_like(out)
+        xa = x.clone().requires_grad_()
+        out = full(xa)
+        backward_full([out], [g])
+        xb = x.clone().requires_grad_()
+        out_b = split(xb)
+        grads, work = backward_input([out_b], [g], [xb], list(split.parameters()))
+        # I alone touched no parameter gradient.
+        assert all(p.grad is None for p in split.parameters())
+        backward_weight(work)
+        torch.testing.assert_close(grads[0], xa.grad)
+        for a, b in zip(_grads(full), _grads(split)):
+            torch.testing.assert_close(a, b)
+
+
+def test_first_stage_without_input_grad_runs_all_in_w():
+    torch.manual_seed(1)
+    model, ref = mlp(), mlp()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    g = torch.randn(4, 3, dtype=torch.float64)
+    backward_full([ref(x)], [g])
+    grads, work = backward_input([model(x)], [g], [x], list(model.parameters()))
+    assert grads == [None]
+    backward_weight(work)
+    for a, b in zip(_grads(ref), _grads(model)):
+        torch.testing.assert_close(a, b)
+
+
+def test_weight_shared_inside_a_stage_counts_both_uses():
+    torch.manual_seed(2)
+    shared = nn.Linear(4, 4).double()
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 4, dtype=torch.float64)
+    expected = torch.autograd.grad(model(x), [x, *model.parameters()], g)
+    xb = x.detach().requires_grad_()
+    grads, work = backward_input([model(xb)], [g], [xb], list(model.parameters()))
+    backward_weight(work)
+    torch.testing.assert_close(grads[0], expected[0])
+    for p, e in zip(model.parameters(), expected[1:]):
+        torch.testing.assert_close(p.grad, e)

@@ -1,0 +1,117 @@
+"""Distributed mode: spawned gloo ranks on 127.0.0.1 reproduce the sequential grads.
+
+Each test spawns its ranks once and runs a whole matrix of cases in them, so
+the cost of starting processes is paid once per world size.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe.schedules import names
+from tests import models
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _spawn(world: int, cases: list[dict], tmp: Path, timeout: float = 240) -> list[dict]:
+    cases_path = tmp / "cases.pt"
+    torch.save(cases, cases_path)
+    init = f"file://{tmp / 'rendezvous'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests._dist_worker", str(r), str(world), init,
+             str(cases_path), str(tmp / f"rank{r}.pt")],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:  # a hang fails the test instead of blocking CI
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for r in range(world):
+        path = tmp / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} wrote nothing:\n" + "\n".join(logs)
+        res = torch.load(path, weights_only=False)
+        assert "ok" in res, res.get("error")
+        out.append(res["ok"])
+    return out
+
+
+def _batches(model: str, steps: int, rows: int = 10):
+    torch.manual_seed(7)
+    out = []
+    for step in range(steps):
+        if model == "embedding_model":
+            seq = 4 + step  # a different sequence length every step
+            out.append((torch.randint(0, 11, (rows, seq)),
+                        torch.randn(rows, seq, 3, dtype=torch.float64)))
+        else:
+            out.append((torch.randn(rows, 5, dtype=torch.float64),
+                        torch.randn(rows, 3, dtype=torch.float64)))
+    return out
+
+
+def _case(schedule, model="mlp", chunks=4, balance=None, steps=1):
+    return {"schedule": schedule, "model": model, "chunks": chunks, "balance": balance,
+            "batches": _batches(model, steps)}
+
+
+def _verify(cases: list[dict], results: list[list[dict]]) -> None:
+    for i, case in enumerate(cases):
+        ref_model = getattr(models, case["model"])()
+        grads: dict[str, torch.Tensor] = {}
+        expected_losses = []
+        for x, y in case["batches"]:
+            loss, ref_grads = models.reference(ref_model, x, y, nn.functional.mse_loss, case["chunks"])
+            expected_losses.append(loss)
+        for rank_results in results:
+            got = rank_results[i]
+            for step, loss in enumerate(got["losses"]):  # every rank gets the loss
+                torch.testing.assert_close(loss, expected_losses[step])
+            for name, g in got["grads"].items():
+                assert name not in grads, f"{name} has a gradient on two ranks"
+                grads[name] = g
+        assert grads.keys() == ref_grads.keys(), case["schedule"]
+        for name in grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], msg=f"{case['schedule']}: {name}")
+        outs = [r[i]["outs"] for r in results if r[i]["outs"][0] is not None]
+        assert len(outs) == 1  # the output lives on the last stage's rank only
+        with torch.no_grad():
+            for (x, _), out in zip(case["batches"], outs[0]):
+                torch.testing.assert_close(out, ref_model(x))
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_every_schedule(tmp_path):
+    cases = [_case(s) for s in names()]
+    cases += [
+        _case("1f1b", model="tuple_model", balance=[2, 4]),
+        _case("zbv", model="tuple_model", balance=[1, 2, 1, 2]),
+        _case("zb-h1", model="embedding_model", chunks=3, steps=2),
+        _case("dualpipev", model="embedding_model", steps=2),
+        _case("gpipe", chunks=3, balance=[1, 5]),
+    ]
+    _verify(cases, _spawn(2, cases, tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_four_ranks_subset(tmp_path):
+    cases = [_case(s, model="mlp_deep", chunks=8) for s in ("1f1b", "interleaved-1f1b", "zb-h2", "zbv")]
+    _verify(cases, _spawn(4, cases, tmp_path))

@@ -1,0 +1,100 @@
+"""Local mode: every schedule reproduces the sequential model's loss and grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe import Pipe
+from fastpipe.schedules import names
+from tests.models import embedding_model, mlp, reference, tuple_model
+
+F = nn.functional
+
+# (schedule, ranks, stages_per_rank): V schedules need 2 stages per rank.
+SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
+
+
+def _check(model_fn, x, y, loss_fn, schedule, ranks, chunks, balance=None, rtol=1e-10, atol=1e-12):
+    ref_model = model_fn()
+    ref_loss, ref_grads = reference(ref_model, x, y, loss_fn, chunks)
+    model = model_fn()
+    pipe = Pipe(model, chunks=chunks, schedule=schedule, balance=balance,
+                devices=["cpu"] * ranks, stages_per_rank=SPR.get(schedule))
+    try:
+        loss = pipe.step(x, y, loss_fn)
+        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=rtol, atol=atol, msg=name)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), ref_model(x), rtol=rtol, atol=atol)
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("schedule", names())
+@pytest.mark.parametrize("ranks,chunks", [(2, 4), (2, 3), (4, 8), (4, 5)])
+def test_every_schedule_matches_sequential_fp64(schedule, ranks, chunks):
+    stages = ranks * SPR.get(schedule, 1)
+    torch.manual_seed(1)
+    x, y = torch.randn(11, 5, dtype=torch.float64), torch.randn(11, 3, dtype=torch.float64)
+    _check(lambda: mlp(depth=max(stages, 6) + 2), x, y, F.mse_loss, schedule, ranks, chunks)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
+def test_fp32_tolerance(schedule):
+    torch.manual_seed(2)
+    x, y = torch.randn(16, 5), torch.randn(16, 3)
+    _check(lambda: mlp(depth=8, dtype=torch.float32), x, y, F.mse_loss, schedule, 2, 4,
+           rtol=1e-5, atol=4e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h2", "zbv"])
+def test_tuple_between_stages_and_uneven_balance(schedule):
+    torch.manual_seed(3)
+    x, y = torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    balance = [1, 1, 1, 3] if schedule == "zbv" else [2, 4]
+    _check(tuple_model, x, y, F.mse_loss, schedule, 2, 3, balance=balance)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "dualpipev"])
+def test_integer_input_embedding_first(schedule):
+    torch.manual_seed(4)
+    x = torch.randint(0, 11, (8, 4))
+    y = torch.randn(8, 4, 3, dtype=torch.float64)
+    _check(embedding_model, x, y, F.mse_loss, schedule, 2, 4)
+
+
+def test_grads_accumulate_like_backward():
+    torch.manual_seed(5)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    model = mlp()
+    pipe = Pipe(model, chunks=2, schedule="zb-h1", devices=["cpu", "cpu"])
+    pipe.step(x, y, F.mse_loss)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    pipe.step(x, y, F.mse_loss)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n])
+    pipe.close()
+
+
+def test_keeps_user_parameters():
+    model = mlp()
+    before = [id(p) for p in model.parameters()]
+    pipe = Pipe(model, chunks=2, devices=["cpu", "cpu"])
+    assert [id(p) for p in model.parameters()] == before
+    assert [id(p) for p in pipe.parameters()] == before
+    pipe.close()
+
+
+def test_stage_error_reaches_caller_with_its_type():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ArithmeticError("layer 3 cannot divide")
+
+    model = nn.Sequential(nn.Linear(5, 5), nn.Linear(5, 5), Boom(), nn.Linear(5, 3))
+    pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"], timeout=10)
+    with pytest.raises(ArithmeticError, match="layer 3 cannot divide"):
+        pipe.step(torch.randn(4, 5), torch.randn(4, 3), F.mse_loss)
+    pipe.close()
