@@ -2,9 +2,9 @@
 
 import sys
 
-from bench import pipelining
+from bench import iw_split, pipelining
 
-BENCHES = {"pipelining": pipelining.main}
+BENCHES = {"pipelining": pipelining.main, "iw_split": iw_split.main}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,6 +98,7 @@ class Pipe(nn.Module):
         self._forward_only = lower(_forward_schedule(self.schedule))
         self._stages = self._build_stages()
         self._ring = None
+        self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
 
     # --- set-up ----------------------------------------------------------------
@@ -145,6 +147,28 @@ class Pipe(nn.Module):
         results = self._run(self._lowered, inputs, targets, loss_fn, train=True)
         return self._mean_loss(results)
 
+    def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
+        """Like ``step``, and also returns the step's measured timeline.
+
+        Returns:
+            ``(loss, simulation)``: the simulation holds every rank's real action
+            times in milliseconds (distributed mode gathers them to every rank),
+            its measured bubble ratio, and ``to_chrome_trace`` / ``plot``.
+        """
+        from fastpipe.runtime.timeline import measured
+
+        self._recording = []
+        try:
+            loss = self.step(x, target, loss_fn)
+            records = self._recording
+        finally:
+            self._recording = None
+        if self.distributed:
+            gathered: list = [None] * self.schedule.ranks
+            dist.all_gather_object(gathered, records, group=self.group)
+            records = [r for part in gathered for r in part]
+        return loss, measured(self._lowered, records)
+
     def forward(self, x: Any) -> Any:
         """Inference: ``model(x)`` computed microbatch by microbatch, without autograd.
 
@@ -178,6 +202,9 @@ class Pipe(nn.Module):
     def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool) -> dict[int, Any]:
         if self.distributed:
             executor = RankExecutor(self.rank, schedule, self._stages[self.rank], self._transport(self.rank, None))
+            if self._recording is not None:
+                dist.barrier(group=self.group)  # every rank's clock starts together
+                executor.records = self._recording
             return executor.run(inputs, targets, loss_fn, train)
         return self._run_local(schedule, inputs, targets, loss_fn, train)
 
@@ -188,14 +215,20 @@ class Pipe(nn.Module):
             self._ring = native().HostRing(schedule.ranks)
         mailbox = Mailbox()
         last_rank = self._owner(schedule.stages - 1)
+        origin = time.perf_counter()
 
         def run_rank(rank: int):
             executor = RankExecutor(rank, schedule, self._stages[rank], self._transport(rank, mailbox))
+            if self._recording is not None:
+                executor.records, executor.origin = [], origin
             try:
                 return executor.run(inputs, targets, loss_fn, train)
             except BaseException as exc:
                 mailbox.fail(rank, exc)
                 raise
+            finally:
+                if executor.records is not None:
+                    self._recording.extend(executor.records)  # list.extend is atomic
 
         events = [self._ring.submit(r, lambda r=r: run_rank(r)) for r in range(schedule.ranks)]
         try:

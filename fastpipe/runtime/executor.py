@@ -22,14 +22,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import time
+
 import torch
 from torch import nn
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
-from fastpipe.schedules import Action, Kind, Schedule
+from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+_COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+_WAIT_KIND = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B, Kind.I: Kind.RECV_B}
 
 
 @dataclass
@@ -70,6 +74,10 @@ class RankExecutor:
         self.stages = stages
         self.transport = transport
         self.actions: Sequence[Action] = schedule.actions[rank]
+        # When a list, run() appends TimelineRecords (seconds since the step began).
+        self.records: list[TimelineRecord] | None = None
+        self.origin: float | None = None  # perf_counter() of the step's start
+        self._wait_end: float | None = None
         self._verbs = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
             Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: self._recv,
@@ -100,13 +108,34 @@ class RankExecutor:
         self._results: dict[int, Any] = {}
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         with grad_mode:
-            for action in self.actions:
-                self._verbs[action.kind](action)
+            if self.records is None:
+                for action in self.actions:
+                    self._verbs[action.kind](action)
+            else:
+                origin = self.origin if self.origin is not None else time.perf_counter()
+                for action in self.actions:
+                    self._timed(action, origin)
             self.transport.finish()
         leftovers = self._saved.keys() | self._weights.keys()
         if leftovers:
             raise AssertionError(f"rank {self.rank}: schedule left work undone for {sorted(leftovers)}")
         return self._results
+
+    def _timed(self, a: Action, origin: float) -> None:
+        """Runs one action and records it; a wait for data becomes a comm record."""
+        self._wait_end = None
+        t0 = time.perf_counter()
+        self._verbs[a.kind](a)
+        t1 = time.perf_counter()
+        if a.kind not in _COMPUTE:
+            self.records.append(TimelineRecord(self.rank, a, t0 - origin, t1 - origin, "comm"))
+            return
+        start = t0
+        if self._wait_end is not None:
+            start = self._wait_end
+            wait = Action(a.stage, _WAIT_KIND[a.kind], a.microbatch)
+            self.records.append(TimelineRecord(self.rank, wait, t0 - origin, start - origin, "comm"))
+        self.records.append(TimelineRecord(self.rank, a, start - origin, t1 - origin))
 
     # --- communication verbs ----------------------------------------------------
 
@@ -126,7 +155,10 @@ class RankExecutor:
         pending = self._pending.pop(key, None)
         if pending is None:  # an unlowered schedule, or a receive not posted early
             pending = self.transport.recv(self._owner(src_stage), key)
-        return pending.wait()
+        payload = pending.wait()
+        if self.records is not None:
+            self._wait_end = time.perf_counter()
+        return payload
 
     def _deliver(self, key: tuple[str, int, int], dst_stage: int, payload) -> None:
         """Hands a value to another stage: in memory if it is ours, else queued for SEND."""

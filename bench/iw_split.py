@@ -1,0 +1,68 @@
+"""Cost of the zero-bubble backward split: I + W against one plain B.
+
+The stage is half of the compute-bound pipelining model (4 MLP blocks,
+d=512) on one microbatch of the pipelining benchmark (8 rows), one thread.
+B, I and W are timed in alternation so drift hits both sides alike.
+
+    python -m bench iw_split [--repeats N] [--rows R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from fastpipe.runtime._backward import backward_full, backward_input, backward_weight
+
+
+def _stage(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+          for _ in range(blocks)]
+    )
+
+
+def measure(rows: int, width: int, blocks: int, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of (B, I, W) for one microbatch through one stage."""
+    stage = _stage(width, blocks)
+    params = list(stage.parameters())
+    x = torch.randn(rows, width)
+    b_times, i_times, w_times = [], [], []
+    for _ in range(repeats):
+        xi = x.clone().requires_grad_()
+        y = stage(xi)
+        g = torch.ones_like(y)
+        t0 = time.perf_counter()
+        backward_full([y], [g])
+        b_times.append(time.perf_counter() - t0)
+
+        xi = x.clone().requires_grad_()
+        y = stage(xi)
+        t0 = time.perf_counter()
+        _, work = backward_input([y], [g], [xi], params)
+        t1 = time.perf_counter()
+        backward_weight(work)
+        t2 = time.perf_counter()
+        i_times.append(t1 - t0)
+        w_times.append(t2 - t1)
+    return statistics.median(b_times), statistics.median(i_times), statistics.median(w_times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench iw_split", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=4)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    b, i, w = measure(args.rows, args.width, args.blocks, args.repeats)
+    print(f"stage: {args.blocks} MLP blocks d={args.width}, microbatch of {args.rows} rows, 1 thread")
+    print(f"  B {b * 1e3:.2f} ms   I {i * 1e3:.2f} ms   W {w * 1e3:.2f} ms   "
+          f"(I+W)/B = {(i + w) / b:.3f}")
+    return 0

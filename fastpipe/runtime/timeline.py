@@ -1,0 +1,61 @@
+"""A measured step as a ``Simulation``: the same pictures and figures as the simulator's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fastpipe.schedules import Kind, Schedule, Simulation, TimelineRecord
+
+
+def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> Simulation:
+    """Builds a Simulation from real action timings.
+
+    Args:
+        schedule: the schedule that ran (compute-only or lowered).
+        records: TimelineRecords in seconds since the step began, from every rank.
+
+    Returns:
+        A Simulation whose times are milliseconds (so ``to_chrome_trace`` with
+        its default scale writes real microseconds) and whose bubble ratio is
+        the measured idle share of the compute tracks.
+    """
+    ms = [TimelineRecord(r.rank, r.action, r.start * 1e3, r.end * 1e3, r.track) for r in records]
+    compute = [r for r in ms if r.track == "compute"]
+    if not compute:
+        raise ValueError("no compute records: was the step recorded?")
+    makespan = max(r.end for r in compute)
+    ranks = schedule.ranks
+    busy = [0.0] * ranks
+    first = [makespan] * ranks
+    last = [0.0] * ranks
+    for r in compute:
+        busy[r.rank] += r.end - r.start
+        first[r.rank] = min(first[r.rank], r.start)
+        last[r.rank] = max(last[r.rank], r.end)
+    idle = [makespan - b for b in busy]
+    return Simulation(
+        schedule=schedule,
+        makespan=makespan,
+        busy=busy,
+        idle=idle,
+        bubble_ratio=sum(idle) / (ranks * makespan),
+        interior_idle=[max(0.0, last[k] - first[k] - busy[k]) for k in range(ranks)],
+        peak_inflight=_peak_inflight(schedule),
+        timeline=sorted(compute, key=lambda r: r.start) + sorted(
+            (r for r in ms if r.track == "comm"), key=lambda r: r.start
+        ),
+    )
+
+
+def _peak_inflight(schedule: Schedule) -> list[int]:
+    peaks = []
+    for actions in schedule.actions:
+        live = peak = 0
+        for a in actions:
+            if a.kind == Kind.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in (Kind.B, Kind.I):
+                live -= 1
+        peaks.append(peak)
+    return peaks
