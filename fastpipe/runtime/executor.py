@@ -80,8 +80,8 @@ class RankExecutor:
         self._wait_end: float | None = None
         self._verbs = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
-            Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: self._recv,
-            Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv,
+            Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: _posted,
+            Kind.SEND_B: self._send_b, Kind.RECV_B: _posted,
         }
 
     # --- the loop -------------------------------------------------------------
@@ -106,6 +106,12 @@ class RankExecutor:
         self._outbox: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
         self._weights: dict[tuple[int, int], WeightWork] = {}
         self._results: dict[int, Any] = {}
+        # Post every receive of the step up front: the sender's message then
+        # lands as soon as it is sent, instead of waiting for the handshake of
+        # a receive posted when the consumer gets to it.
+        for action in self.actions:
+            if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                self._recv(action)
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         with grad_mode:
             if self.records is None:
@@ -143,6 +149,7 @@ class RankExecutor:
         return self.schedule.stage_to_rank[stage]
 
     def _recv(self, a: Action) -> None:
+        """Posts the receive of ``a`` (all of a step's are posted when it starts)."""
         if a.kind == Kind.RECV_F:
             key, src = ("F", a.stage, a.microbatch), self._owner(a.stage - 1)
         else:
@@ -247,3 +254,6 @@ class RankExecutor:
     def _backward_weight(self, a: Action) -> None:
         backward_weight(self._weights.pop((a.stage, a.microbatch)))
 
+
+def _posted(a: Action) -> None:
+    """RECV actions: their receive was posted when the step started."""
