@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastpipe.schedules import Schedule
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: compare schedules and run a pipeline")
     demo.set_defaults(run=_run_demo)
+    _add_simulate_parser(sub)
     return parser
 
 
@@ -22,6 +27,127 @@ def _run_demo(args: argparse.Namespace) -> int:
     from fastpipe._demo import run
 
     return run()
+
+
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    from fastpipe.schedules import names
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="simulate a schedule: grid, bubble ratio, peak in-flight (no process group)",
+        description="Simulate a pipeline schedule on a model of time (pure Python).",
+    )
+    simulate.add_argument("--schedule", choices=names(), help="the schedule to simulate")
+    simulate.add_argument("--ranks", type=_positive_int, default=4, help="pipeline ranks (4)")
+    simulate.add_argument("--microbatches", type=_positive_int, default=8, help="microbatches (8)")
+    simulate.add_argument(
+        "--stages-per-rank",
+        type=_positive_int,
+        default=None,
+        help="stages (model chunks) per rank; default: the schedule's",
+    )
+    simulate.add_argument(
+        "--costs",
+        type=_parse_costs,
+        default=None,
+        help="per-kind costs of one rank's share of the model, e.g. "
+        "F=1,B=2,W=1 (defaults F=1,B=2,I=1,W=1); a schedule with v stages "
+        "per rank costs 1/v of that per stage, so schedules compare fairly",
+    )
+    simulate.add_argument("--png", help="write the timeline as a PNG (needs matplotlib)")
+    simulate.add_argument("--trace", help="write a Chrome/Perfetto trace (1 unit = 1 ms)")
+    simulate.add_argument(
+        "--compare",
+        action="store_true",
+        help="one line per schedule that can be built, by makespan",
+    )
+    simulate.set_defaults(run=_run_simulate, parser=simulate)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _parse_costs(text: str) -> dict[str, float]:
+    costs: dict[str, float] = {}
+    for item in text.split(","):
+        kind, sep, number = item.partition("=")
+        kind = kind.strip().upper()
+        try:
+            value = float(number) if sep else float("nan")
+        except ValueError:
+            value = float("nan")
+        if kind not in ("F", "B", "I", "W") or not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(
+                f"invalid costs {text!r}: expected KIND=NUMBER pairs separated by commas, "
+                f"KIND one of F, B, I, W and NUMBER >= 0 (e.g. F=1,B=2,W=1); bad item {item!r}"
+            )
+        costs[kind] = value
+    return costs
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    from fastpipe.schedules import build
+
+    if args.compare:
+        return _run_compare(args)
+    if args.schedule is None:
+        args.parser.error("--schedule is required unless --compare is given")
+    try:
+        schedule = build(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
+        schedule.validate()
+        sim = schedule.simulate(_per_stage(args.costs, schedule))
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    print(schedule.render_text())
+    print(f"makespan: {sim.makespan:g}")
+    print(f"bubble ratio: {sim.bubble_ratio:.4f}")
+    print(f"peak in-flight per rank: {sim.peak_inflight}")
+    if args.png:
+        try:
+            print(f"wrote {sim.plot(args.png)}")
+        except ImportError as exc:
+            args.parser.error(str(exc))
+    if args.trace:
+        print(f"wrote {sim.to_chrome_trace(args.trace)}")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from fastpipe.schedules import build, names
+
+    rows = []
+    for name in names():
+        try:
+            schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank)
+        except ValueError:
+            continue  # this schedule cannot take these parameters
+        rows.append((schedule.simulate(_per_stage(args.costs, schedule)), schedule))
+    rows.sort(key=lambda row: (row[0].makespan, row[1].name))
+    print(
+        f"{'schedule':<18} {'v':>2} {'makespan':>9} {'bubble':>7}  "
+        "peak in-flight (stage-microbatches)"
+    )
+    for sim, schedule in rows:
+        v = schedule.stages // schedule.ranks
+        print(
+            f"{schedule.name:<18} {v:>2} {sim.makespan:>9g} {sim.bubble_ratio:>7.4f}  "
+            f"{sim.peak_inflight}"
+        )
+    return 0
+
+
+def _per_stage(costs: dict[str, float] | None, schedule: Schedule) -> dict[str, float]:
+    """Costs of one stage: a rank's share of the model split over its stages."""
+    v = schedule.stages // schedule.ranks
+    given = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0} if costs is None else costs
+    return {kind: value / v for kind, value in given.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,197 @@
+"""The simulator: closed forms for every generator, cost models and the timeline."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastpipe.schedules import Action, Kind, build, lower, names
+
+SPLIT_UNIT = {"F": 1, "I": 1, "W": 1}  # B = I + W = 2
+FULL_UNIT = {"F": 1, "B": 2}
+SIZES = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 9, 16, 17, 32)]
+
+
+def _loop_bubble(p: int, m: int, v: int) -> float:
+    """The exact bubble of GPipe, 1F1B, interleaved 1F1B and looped BFS at F=1, B=2."""
+    return 1 - v * m / (v * max(m, p) + min(m, p) - 1)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(name: str) -> None:
+    # F = 1, B = 2: a microbatch takes 3 units per rank; fill and drain take
+    # 3 (p - 1), so makespan = 3 (m + p - 1) and bubble = (p - 1) / (m + p - 1).
+    for p, m in SIZES:
+        sim = build(name, p, m).simulate(FULL_UNIT)
+        assert sim.makespan == 3 * (m + p - 1)
+        assert sim.bubble_ratio == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert sim.idle == [3 * (p - 1)] * p
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "looped-bfs"])
+@pytest.mark.parametrize("v", [1, 2, 3, 4])
+def test_interleaved_bubble(name: str, v: int) -> None:
+    for p, m in SIZES:
+        sim = build(name, p, m, v).simulate()
+        assert sim.makespan == 3 * (v * max(m, p) + min(m, p) - 1)
+        assert sim.bubble_ratio == pytest.approx(_loop_bubble(p, m, v), abs=1e-12)
+        if m >= p:  # Megatron's (p - 1) / (v m + p - 1), for any m >= p
+            assert sim.bubble_ratio == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+
+
+def test_interleaved_divides_1f1bs_bubble_time_by_v() -> None:
+    one = build("1f1b", 4, 8).simulate()
+    two = build("interleaved-1f1b", 4, 8, 2).simulate({"F": 0.5, "B": 1.0})  # half stages
+    assert one.busy == two.busy == [24.0] * 4
+    assert one.idle == [9.0] * 4 and two.idle == [4.5] * 4
+
+
+def test_zb_h1_has_a_third_of_1f1bs_bubble() -> None:
+    for p, m in SIZES:
+        if m < p:
+            continue
+        h1 = build("zb-h1", p, m).simulate(SPLIT_UNIT)
+        base = build("1f1b", p, m).simulate(FULL_UNIT)
+        assert sum(h1.idle) * 3 == sum(base.idle) == 3 * p * (p - 1)
+        assert h1.makespan == 3 * m + p - 1  # the least possible: rank p-1 starts at p-1
+        assert h1.peak_inflight == [p - r for r in range(p)]  # 1F1B's memory
+
+
+def test_zb_h2_has_zero_bubble_once_m_is_2p_minus_1() -> None:
+    for p, m in SIZES:
+        if m < p:
+            continue
+        sim = build("zb-h2", p, m).simulate(SPLIT_UNIT)
+        assert sim.makespan == 3 * m + p - 1
+        if m >= 2 * p - 1:
+            # No rank waits between its first and its last action; what
+            # bubble_ratio still counts is the staggered start and end.
+            assert max(sim.interior_idle) < 1e-9
+            assert sim.bubble_ratio == pytest.approx((p - 1) / (3 * m + p - 1))
+            assert sim.peak_inflight[0] == 2 * p - 1
+    with_gap = build("zb-h2", 4, 6).simulate(SPLIT_UNIT)  # m < 2p - 1: not yet
+    assert sum(with_gap.interior_idle) > 0
+
+
+def test_zbv_has_zero_bubble_once_m_is_2p_minus_1() -> None:
+    for p, m in SIZES:
+        sim = build("zbv", p, m).simulate(SPLIT_UNIT)
+        if m >= 2 * p - 1:
+            assert max(sim.interior_idle) < 1e-9
+            assert sim.peak_inflight == [2 * p] * p  # p full microbatches: 1F1B's
+        if m >= p + 2 or (m >= p and p <= 4):
+            assert sim.makespan == 6 * m + p - 1
+            assert sim.bubble_ratio == pytest.approx((p - 1) / (6 * m + p - 1))
+
+
+def test_dualpipev_is_one_step_behind_zbv() -> None:
+    for p, m in SIZES:
+        if p >= 2 and m >= 2 * p:
+            dual = build("dualpipev", p, m).simulate()
+            assert dual.makespan == 6 * m + p
+            assert dual.peak_inflight == [2 * p + 1] * p
+
+
+def test_1f1b_peak_inflight_is_p_on_rank_0() -> None:
+    for p, m in SIZES:
+        assert build("1f1b", p, m).simulate().peak_inflight == [min(p - r, m) for r in range(p)]
+    assert build("gpipe", 4, 8).simulate().peak_inflight == [8] * 4
+
+
+def test_costs_defaults_and_b_from_i_plus_w() -> None:
+    schedule = build("1f1b", 2, 2)
+    assert schedule.simulate().makespan == schedule.simulate({"F": 1, "B": 2}).makespan == 9
+    assert schedule.simulate({"I": 2, "W": 2}).makespan == 15  # B = 4
+    assert schedule.simulate({Kind.F: 2, "B": 2}).makespan == 12
+
+
+def test_per_stage_costs_and_callables() -> None:
+    schedule = build("gpipe", 2, 1)
+    assert schedule.simulate({"F": [1, 3], "B": [2, 6]}).makespan == 12
+    assert schedule.simulate(lambda a: 10.0 if a.stage == 0 else 1.0).makespan == 22
+    with pytest.raises(ValueError, match=r"per-stage cost for F has the wrong length"):
+        schedule.simulate({"F": [1, 2, 3]})
+    with pytest.raises(ValueError, match=r"unknown cost kinds \['X'\]"):
+        schedule.simulate({"X": 1})
+    with pytest.raises(ValueError, match="cost for B must be a finite number >= 0, got -1"):
+        schedule.simulate({"B": -1})
+
+
+def test_rank_speed() -> None:
+    schedule = build("gpipe", 2, 1)
+    assert schedule.simulate(rank_speed=[1, 2]).makespan == pytest.approx(1 + 0.5 + 1 + 2)
+    with pytest.raises(ValueError, match="rank_speed must hold 2 positive numbers"):
+        schedule.simulate(rank_speed=[1, 0])
+
+
+def test_p2p_latency_and_bandwidth() -> None:
+    schedule = build("gpipe", 2, 1)
+    plain = schedule.simulate()
+    assert plain.makespan == 6 and all(r.track == "compute" for r in plain.timeline)
+    slow = schedule.simulate(latency=0.5, bandwidth=100.0, message_bytes=50.0)
+    assert slow.makespan == pytest.approx(6 + 2 * (0.5 + 0.5))  # one hop each way
+    comm = [r for r in slow.timeline if r.track == "comm"]
+    assert [str(r.action) for r in comm] == ["0SEND_F0", "1SEND_B0"]
+    assert [r.end - r.start for r in comm] == [pytest.approx(1.0)] * 2
+    sized = schedule.simulate(bandwidth=1.0, message_bytes=lambda a: 2.0 if a.stage == 0 else 0)
+    assert sized.makespan == pytest.approx(8)
+    with pytest.raises(ValueError, match="latency must be >= 0"):
+        schedule.simulate(latency=-1)
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        schedule.simulate(bandwidth=0)
+
+
+def test_lowered_and_compute_only_simulate_alike() -> None:
+    for name in names():
+        schedule = build(name, 3, 5)
+        a, b = schedule.simulate(latency=0.25), lower(schedule).simulate(latency=0.25)
+        assert (a.makespan, a.busy, a.peak_inflight) == (b.makespan, b.busy, b.peak_inflight)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(names()),
+    st.integers(1, 6),
+    st.integers(1, 12),
+    st.floats(0, 0.5),
+    st.lists(st.floats(0.5, 2.0), min_size=6, max_size=6),
+)
+def test_timeline_respects_every_dependency(
+    name: str, p: int, m: int, latency: float, speed: list[float]
+) -> None:
+    schedule = build(name, p, m)
+    sim = schedule.simulate(
+        {"F": 1.0, "B": 2.5, "I": 1.5, "W": 1.0}, latency=latency, rank_speed=speed[:p]
+    )
+    end = {r.action: r.end for r in sim.timeline if r.track == "compute"}
+    start = {r.action: r.start for r in sim.timeline if r.track == "compute"}
+    assert len(end) == sum(len(row) for row in schedule.actions)
+    place, eps = schedule.stage_to_rank, 1e-9
+
+    def hop(a: Action, other: int) -> float:
+        return latency if place[other] != place[a.stage] else 0.0
+
+    for a in start:
+        s, j = a.stage, a.microbatch
+        if a.kind is Kind.F and s > 0:
+            assert start[a] >= end[Action(s - 1, Kind.F, j)] + hop(a, s - 1) - eps
+        if a.kind.is_backward:
+            assert start[a] >= end[Action(s, Kind.F, j)] - eps
+            if s < schedule.stages - 1:
+                nxt = Action(s + 1, Kind.B, j)
+                nxt = nxt if nxt in end else Action(s + 1, Kind.I, j)
+                assert start[a] >= end[nxt] + hop(a, s + 1) - eps
+        if a.kind is Kind.W:
+            assert start[a] >= end[Action(s, Kind.I, j)] - eps
+    for rank in range(p):  # one action at a time per rank, in list order
+        recs = [r for r in sim.timeline if r.track == "compute" and r.rank == rank]
+        assert [r.action for r in recs] == schedule.actions[rank]
+        assert all(x.end <= y.start + eps for x, y in itertools.pairwise(recs))
+    assert 0 <= sim.bubble_ratio < 1
+    assert sum(sim.busy) + sum(sim.idle) == pytest.approx(p * sim.makespan)
+    assert all(0 <= i <= d + eps for i, d in zip(sim.interior_idle, sim.idle))
+    assert math.isclose(sim.bubble_ratio, sum(sim.idle) / (p * sim.makespan))
