@@ -98,6 +98,7 @@ class Pipe(nn.Module):
         self._forward_only = lower(_forward_schedule(self.schedule))
         self._stages = self._build_stages()
         self._ring = None
+        self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
 
@@ -124,7 +125,11 @@ class Pipe(nn.Module):
 
     def _transport(self, rank: int, mailbox: Mailbox | None):
         if self.distributed:
-            return DistTransport(self.group, self.devices[rank], self.schedule.stages, self.timeout)
+            if self._dist_transport is None:  # kept: it learns buffer sizes across steps
+                self._dist_transport = DistTransport(
+                    self.group, self.devices[rank], self.schedule.stages, self.timeout
+                )
+            return self._dist_transport
         return LocalTransport(mailbox, rank, self.devices, self.timeout)
 
     # --- running -----------------------------------------------------------------

@@ -126,8 +126,23 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 
 
 # --- torch.distributed -------------------------------------------------------
+#
+# One message per transfer: a flat byte buffer, a 64-word header in front
+# (sizes, dtypes, shapes), then every tensor at a 16-byte aligned offset.
+#
+#   [ nbytes | oversize | is_tuple | n | (dtype, grad, ndim, *shape)... ][ data ... ]
+#   '------------------------ 512 bytes -------------------------------'
+#
+# The receiver posts its buffer before the data exists, so it must guess the
+# size: each stream (direction, stage) has a capacity that both ends derive
+# from the same history (the largest payload of earlier steps), so they agree
+# without talking. gloo accepts a message shorter than the posted buffer. A
+# payload over capacity goes as a header-only message on the posted tag (flag
+# set) followed by the full message on the next tag.
 
-_HEADER = 64  # int64 slots: [is_tuple, n, (dtype, requires_grad, ndim, *shape) per tensor]
+_HEADER = 64
+_HEADER_BYTES = _HEADER * 8
+_ALIGN = 16
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -135,9 +150,17 @@ _DTYPES = [
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
-def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tensor:
-    """Describes a payload in a fixed-size int64 tensor (shapes, dtypes, count)."""
-    words = [int(is_tuple), len(tensors)]
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool, oversize: bool = False) -> list[int]:
+    """The header words describing a payload (count, dtypes, shapes, total bytes)."""
+    words = [sum(_aligned(_nbytes(t)) for t in tensors), int(oversize), int(is_tuple), len(tensors)]
     for t in tensors:
         if t.dtype not in _CODE:
             raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
@@ -147,49 +170,68 @@ def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool) -> torch.Tens
             f"stage value too complex to describe: {len(tensors)} tensors need {len(words)} "
             f"header words, at most {_HEADER}"
         )
-    return torch.tensor(words + [0] * (_HEADER - len(words)), dtype=torch.int64)
+    return words + [0] * (_HEADER - len(words))
 
 
-def decode_header(header: torch.Tensor) -> tuple[bool, list[tuple[torch.dtype, bool, list[int]]]]:
-    """Inverse of ``encode_header``: (is_tuple, [(dtype, requires_grad, shape)])."""
-    words = header.tolist()
-    is_tuple, n, pos, specs = bool(words[0]), words[1], 2, []
+def decode_header(words: list[int]) -> tuple[int, bool, bool, list[tuple[torch.dtype, bool, list[int]]]]:
+    """Inverse of ``encode_header``: (nbytes, oversize, is_tuple, [(dtype, grad, shape)])."""
+    nbytes, oversize, is_tuple, n, pos, specs = words[0], bool(words[1]), bool(words[2]), words[3], 4, []
     for _ in range(n):
         dtype, grad, ndim = _DTYPES[words[pos]], bool(words[pos + 1]), words[pos + 2]
         specs.append((dtype, grad, words[pos + 3 : pos + 3 + ndim]))
         pos += 3 + ndim
-    return is_tuple, specs
+    return nbytes, oversize, is_tuple, specs
+
+
+def pack(tensors: Sequence[torch.Tensor], words: list[int]) -> torch.Tensor:
+    """One uint8 buffer: header words, then each tensor at an aligned offset."""
+    buf = torch.empty(_HEADER_BYTES + words[0], dtype=torch.uint8)
+    buf[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
+    off = _HEADER_BYTES
+    for t in tensors:
+        n = _nbytes(t)
+        buf[off : off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        off += _aligned(n)
+    return buf
+
+
+def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
+    """Views into ``buf`` (no copy), flagged for autograd as the sender's were."""
+    out, off = [], _HEADER_BYTES
+    for dtype, grad, shape in specs:
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[off : off + n].view(dtype).view(shape).requires_grad_(grad))
+        off += _aligned(n)
+    return out
 
 
 @dataclass
 class _DistRecv:
     transport: DistTransport
     src: int
-    tag: int
-    header: torch.Tensor
+    key: Key
+    buf: torch.Tensor
     work: dist.Work
 
     def wait(self) -> Payload:
         t = self.transport
-        t._wait(self.work, f"header from rank {self.src}")
-        is_tuple, specs = decode_header(self.header)
-        tensors = [torch.empty(shape, dtype=dtype, device=t.device) for dtype, _, shape in specs]
-        works = [
-            dist.irecv(x, src=t.peer(self.src), group=t.group, tag=self.tag + 1 + i)
-            for i, x in enumerate(tensors)
-        ]
-        for w in works:
-            t._wait(w, f"payload from rank {self.src}")
-        return [x.requires_grad_(g) for x, (_, g, _) in zip(tensors, specs)], is_tuple
+        t._wait(self.work, f"{_describe(self.key)} from rank {self.src}")
+        nbytes, oversize, is_tuple, specs = decode_header(self.buf[:_HEADER_BYTES].view(torch.int64).tolist())
+        buf = self.buf
+        if oversize:
+            buf = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
+            work = dist.irecv(buf, src=t.peer(self.src), group=t.group, tag=t.tag(self.key) + 1)
+            t._wait(work, f"{_describe(self.key)} from rank {self.src}")
+        t._note(self.key, nbytes)
+        return unpack(buf, specs), is_tuple
 
 
 @dataclass
 class DistTransport:
-    """One rank of a pipeline over a process group: isend/irecv with a header.
+    """One rank of a pipeline over a process group: one packed message per transfer.
 
-    Every message is a fixed-size header followed by its tensors, each on its
-    own tag, so the receiver learns shapes from the header and a later step
-    with other shapes (another sequence length) needs nothing special.
+    Lives as long as its Pipe: the per-stream capacities it learns carry over
+    from step to step (see the comment above). ``finish`` ends a step.
     """
 
     group: dist.ProcessGroup | None
@@ -197,27 +239,36 @@ class DistTransport:
     stages: int
     timeout: float
     _sends: list = field(default_factory=list)
+    _capacity: dict = field(default_factory=dict)
+    _seen: dict = field(default_factory=dict)
 
     def peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
-        return ((mb * self.stages + stage) * 2 + (direction == "B")) * (_HEADER + 1)
+        return ((mb * self.stages + stage) * 2 + (direction == "B")) * 2
+
+    def _note(self, key: Key, nbytes: int) -> None:
+        stream = key[:2]
+        self._seen[stream] = max(self._seen.get(stream, 0), nbytes)
 
     def send(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
         tag, peer = self.tag(key), self.peer(dst)
-        header = encode_header(tensors, is_tuple)
-        self._sends.append((dist.isend(header, dst=peer, group=self.group, tag=tag), header))
-        for i, t in enumerate(tensors):
-            t = t.detach().contiguous()
-            self._sends.append((dist.isend(t, dst=peer, group=self.group, tag=tag + 1 + i), t))
+        words = encode_header(tensors, is_tuple)
+        self._note(key, words[0])
+        if words[0] > self._capacity.get(key[:2], 0):
+            notice = encode_header(tensors, is_tuple, oversize=True)
+            small = torch.tensor(notice, dtype=torch.int64).view(torch.uint8)
+            self._sends.append((dist.isend(small, dst=peer, group=self.group, tag=tag), small))
+            tag += 1
+        buf = pack(tensors, words)
+        self._sends.append((dist.isend(buf, dst=peer, group=self.group, tag=tag), buf))
 
     def recv(self, src: int, key: Key) -> _DistRecv:
-        tag = self.tag(key)
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        work = dist.irecv(header, src=self.peer(src), group=self.group, tag=tag)
-        return _DistRecv(self, src, tag, header, work)
+        buf = torch.empty(_HEADER_BYTES + self._capacity.get(key[:2], 0), dtype=torch.uint8)
+        work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
+        return _DistRecv(self, src, key, buf, work)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         from datetime import timedelta
@@ -226,9 +277,17 @@ class DistTransport:
             raise TimeoutError(f"{what} not done within timeout={self.timeout} s")
 
     def finish(self) -> None:
+        """Waits for this step's sends, then grows the capacities for the next step.
+
+        Both ends of a stream saw the same payloads this step, so they grow
+        its capacity to the same value.
+        """
         sends, self._sends = self._sends, []
         for work, _ in sends:
             self._wait(work, "send")
+        for stream, nbytes in self._seen.items():
+            self._capacity[stream] = max(self._capacity.get(stream, 0), nbytes)
+        self._seen.clear()
 
     def fail(self, exc: BaseException) -> None:
         pass  # peers learn of it by timeout; the reliability work makes this prompt
