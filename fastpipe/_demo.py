@@ -16,21 +16,14 @@ import time
 
 
 def _compare_schedules(ranks: int = 4, microbatches: int = 8) -> None:
-    from fastpipe.schedules import build, names
+    import argparse
 
-    rows = []
-    for name in names():
-        schedule = build(name, ranks, microbatches)
-        # The same model cut into more stages: each stage costs 1/v as much.
-        v = schedule.stages // ranks
-        costs = {"F": 1.0 / v, "B": 2.0 / v, "I": 1.0 / v, "W": 1.0 / v}
-        sim = schedule.simulate(costs)
-        rows.append((sim.makespan, name, sim.bubble_ratio, sim.peak_inflight))
+    from fastpipe._cli import _run_compare
+
     print(f"simulated schedules, {ranks} ranks x {microbatches} microbatches "
           "(per rank F=1, B=2, I=W=1, split evenly over its stages):")
-    print(f"  {'schedule':<18}{'makespan':>9}{'bubble':>9}  peak in-flight per rank")
-    for makespan, name, bubble, peak in sorted(rows):
-        print(f"  {name:<18}{makespan:>9.1f}{bubble:>9.3f}  {list(peak)}")
+    args = argparse.Namespace(ranks=ranks, microbatches=microbatches, stages_per_rank=None, costs=None)
+    _run_compare(args)
 
 
 def _bar(done: int, total: int, width: int = 28) -> str:

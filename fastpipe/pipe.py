@@ -14,7 +14,7 @@ from torch import nn
 from fastpipe import _microbatch as mbatch
 from fastpipe.balance import balance_by_params
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
-from fastpipe.runtime.transport import DistTransport, LocalTransport, Mailbox, PeerError
+from fastpipe.runtime.transport import DistTransport, LocalTransport, Mailbox
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
 log = logging.getLogger(__name__)
@@ -278,11 +278,10 @@ class Pipe(nn.Module):
 
 
 def _outcome(event) -> Any:
+    """The rank's result, or the exception it ended with (reported once all stopped)."""
     try:
         return event.wait()
-    except PeerError as exc:
-        return exc
-    except Exception as exc:  # noqa: BLE001 - reported after every rank stopped
+    except Exception as exc:  # noqa: BLE001
         return exc
 
 

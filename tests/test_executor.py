@@ -60,3 +60,29 @@ def test_weight_shared_inside_a_stage_counts_both_uses():
     torch.testing.assert_close(grads[0], expected[0])
     for p, e in zip(model.parameters(), expected[1:]):
         torch.testing.assert_close(p.grad, e)
+
+
+def test_packed_message_round_trip_keeps_dtypes_shapes_and_grad_flags():
+    from fastpipe.runtime.transport import decode_header, encode_header, pack, unpack
+
+    tensors = [
+        torch.randn(3, 5, requires_grad=True),
+        torch.arange(7, dtype=torch.int64),
+        torch.ones(2, 2, dtype=torch.bool),
+        torch.empty(0, 4, dtype=torch.float16),
+        torch.randn(6, 4).t(),  # non-contiguous
+    ]
+    words = encode_header(tensors, is_tuple=True)
+    buf = pack(tensors, words)
+    nbytes, oversize, is_tuple, specs = decode_header(
+        buf[:512].view(torch.int64).tolist()
+    )
+    assert (nbytes, oversize, is_tuple) == (words[0], False, True)
+    out = unpack(buf, specs)
+    for a, b in zip(tensors, out):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.detach(), b)
+        assert b.requires_grad == (a.requires_grad and a.is_floating_point())
+    # The receiver may post a larger buffer than the message: trailing bytes are ignored.
+    bigger = torch.cat([buf, torch.zeros(64, dtype=torch.uint8)])
+    assert all(torch.equal(a, b) for a, b in zip(out, unpack(bigger, specs)))

@@ -70,23 +70,10 @@ class Mailbox:
     def first_failure(self) -> tuple[int, BaseException] | None:
         return self._failed
 
-    def reset(self) -> None:
-        with self._cond:
-            self._slots.clear()
-            self._failed = None
-
 
 def _describe(key: Key) -> str:
     what = "activations" if key[0] == "F" else "gradients"
     return f"{what} of stage {key[1]}, microbatch {key[2]}"
-
-
-@dataclass
-class _Ready:
-    payload: Payload
-
-    def wait(self) -> Payload:
-        return self.payload
 
 
 @dataclass
