@@ -28,11 +28,11 @@ torch: | $(PY)
 	$(PIP) install -q "$(TORCH)"
 
 $(VENV)/.installed: $(SOURCES) $(VENV)/.build-tools | torch
-	$(PIP) install -q --no-build-isolation -e .
+	$(PIP) install -q --no-build-isolation -e ".[plot]"
 	touch $@
 
 $(VENV)/.installed-test: $(SOURCES) $(VENV)/.build-tools | torch
-	$(PIP) install -q --no-build-isolation -e ".[test]"
+	$(PIP) install -q --no-build-isolation -e ".[test,plot]"
 	touch $@ $(VENV)/.installed
 
 demo: $(VENV)/.installed

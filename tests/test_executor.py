@@ -86,3 +86,51 @@ def test_packed_message_round_trip_keeps_dtypes_shapes_and_grad_flags():
     # The receiver may post a larger buffer than the message: trailing bytes are ignored.
     bigger = torch.cat([buf, torch.zeros(64, dtype=torch.uint8)])
     assert all(torch.equal(a, b) for a, b in zip(out, unpack(bigger, specs)))
+
+
+class _CopyTransport:
+    """Stands in for rank 1: keeps copies of what is sent, answers with unit gradients."""
+
+    def __init__(self, on_recv):
+        self.sent, self.on_recv = {}, on_recv
+
+    def send(self, tensors, is_tuple, dst, key):
+        self.sent[key] = [t.detach().clone() for t in tensors]
+
+    def recv(self, src, key):
+        transport = self
+
+        class Pending:
+            def wait(self):
+                transport.on_recv(key)
+                shape = transport.sent[("F", 1, key[2])][0].shape
+                return [torch.ones(shape, dtype=torch.float64)], False
+
+        return Pending()
+
+    def finish(self):
+        pass
+
+
+def test_stage_output_is_freed_once_sent():
+    import weakref
+
+    from fastpipe.runtime.executor import RankExecutor, Stage
+    from fastpipe.schedules import build, lower
+
+    layer = nn.Linear(4, 4).double()  # addmm does not save its output for backward
+    outputs: dict[int, weakref.ref] = {}
+
+    def keep_ref(module, args, out):
+        outputs[len(outputs)] = weakref.ref(out)
+
+    layer.register_forward_hook(keep_ref)
+    alive_at_backward = []
+    transport = _CopyTransport(lambda key: alive_at_backward.append(outputs[key[2]]() is not None))
+    stage = Stage(0, nn.Sequential(layer), torch.device("cpu"))
+    schedule = lower(build("gpipe", 2, 2))
+    ex = RankExecutor(0, schedule, {0: stage}, transport)
+    inputs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    ex.run(inputs, None, None, train=True)
+    assert alive_at_backward == [False, False]
+    assert layer.weight.grad is not None

@@ -43,9 +43,18 @@ class WeightWork:
     groups: list[WeightGroup] = field(default_factory=list)
 
 
-def backward_full(
-    roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
-) -> None:
+Root = torch.Tensor | GradientEdge  # a stage output, or the graph edge it came from
+
+
+def _node(root: Root) -> Node | None:
+    return root.grad_fn if isinstance(root, torch.Tensor) else root.node
+
+
+def _edge(root: Root) -> GradientEdge:
+    return get_gradient_edge(root) if isinstance(root, torch.Tensor) else root
+
+
+def backward_full(roots: Sequence[Root], grads: Sequence[torch.Tensor | None]) -> None:
     """B: one autograd pass; parameter and (leaf) input ``.grad`` accumulate."""
     if roots:
         torch.autograd.backward(list(roots), list(grads))
@@ -71,7 +80,7 @@ def _reach(roots: list[Node], targets: set[Node]) -> dict[Node, bool]:
 
 
 def backward_input(
-    roots: Sequence[torch.Tensor],
+    roots: Sequence[Root],
     grads: Sequence[torch.Tensor | None],
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -83,7 +92,7 @@ def backward_input(
         weight work to pass to ``backward_weight``.
     """
     work = WeightWork()
-    root_nodes = [r.grad_fn for r in roots if r.grad_fn is not None]
+    root_nodes = [n for n in map(_node, roots) if n is not None]
     by_node = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
     input_nodes = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
     to_input = _reach(root_nodes, input_nodes)
@@ -122,11 +131,10 @@ def backward_input(
     # Roots whose graph never touches the inputs (the first stage, whose input
     # needs no gradient): W runs their whole backward.
     for root, grad in zip(roots, grads):
-        if weight_only(root.grad_fn):
-            g = grad if grad is not None else torch.ones_like(root)
-            work.groups.append(
-                WeightGroup([get_gradient_edge(root)], [g], _params_below([root.grad_fn], by_node))
-            )
+        node = _node(root)
+        if weight_only(node):
+            g = grad if grad is not None else torch.ones_like(root)  # None only for a loss tensor
+            work.groups.append(WeightGroup([_edge(root)], [g], _params_below([node], by_node)))
     return input_grads, work
 
 

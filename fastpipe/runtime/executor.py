@@ -26,6 +26,7 @@ import time
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
@@ -53,7 +54,7 @@ class Stage:
 class _Saved:
     """What backward needs from one F: graph roots and the stage's input leaves."""
 
-    roots: list[torch.Tensor]
+    roots: list[torch.Tensor | GradientEdge]  # the loss tensor, or edges of the outputs
     leaves: list[torch.Tensor]
     grads: list[torch.Tensor | None] | None = None  # set once received
 
@@ -204,7 +205,9 @@ class RankExecutor:
         tensors, out_tuple = flatten(out)
         self._deliver(("F", a.stage + 1, mb), a.stage + 1, (tensors, out_tuple))
         if self._train:
-            roots = [t for t in tensors if needs_grad(t)]
+            # Keep graph edges, not the output tensors: once sent, an output's
+            # memory is freed unless autograd itself saved it for backward.
+            roots = [get_gradient_edge(t) for t in tensors if needs_grad(t)]
             self._saved[(a.stage, mb)] = _Saved(roots, leaves)
 
     def _finish_forward(self, mb: int, out: Value, leaves: list[torch.Tensor]) -> None:
