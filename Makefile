@@ -1,8 +1,10 @@
 # fastpipe: the README's two commands.
 #   make demo   set up .venv, install fastpipe, run the main job
 #   make test   set up .venv, install fastpipe with its test extras, run the suite
-# TORCH picks the torch build: the default is the CPU wheel; `make test TORCH=torch`
-# (or a pinned CUDA build) for GPUs.
+# TORCH is the pip requirement for torch (default torch==2.13.0: on this project's
+# machines pip takes a CPU build of it from local disk; from PyPI on Linux it is
+# the CUDA build). Pass another requirement, or extra pip arguments such as a CPU
+# index URL, with `make test TORCH="..."`.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -25,7 +27,7 @@ $(VENV)/.build-tools: | $(PY)
 
 # Re-checked every run: a no-op when the requested torch is already there.
 torch: | $(PY)
-	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q $(TORCH)
 
 $(VENV)/.installed: $(SOURCES) $(VENV)/.build-tools | torch
 	$(PIP) install -q --no-build-isolation -e ".[plot]"
@@ -48,4 +50,4 @@ bench: $(VENV)/.installed-test
 	$(PY) -m bench
 
 clean:
-	rm -rf build *.egg-info fastpipe/_C*.so
+	rm -rf build *.egg-info fastpipe/_C*.so $(VENV)/.installed $(VENV)/.installed-test

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
-import torch.multiprocessing as mp
+from fastpipe._spawn import spawn  # noqa: F401  (re-exported for the benchmarks)
 
 
 def median_time(fn: Callable[[], object], warmup: int, repeats: int, sync: Callable[[], None]) -> float:
@@ -27,23 +25,3 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int, sync: Calla
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def spawn(world: int, target: Callable, *args) -> list:
-    """Runs ``target(rank, world, init_method, queue, *args)`` on ``world`` processes.
-
-    Returns what each rank put on the queue, ordered by rank.
-    """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=target, args=(r, world, init, queue, *args)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [queue.get(timeout=1800) for _ in procs]
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return [value for _, value in sorted(results, key=lambda item: item[0])]

@@ -39,9 +39,22 @@ HostRing::~HostRing() {
     std::lock_guard<std::mutex> lock(registry_mu());
     registry().erase(this);
   }
-  if (Py_IsInitialized()) {
+  if (!Py_IsInitialized()) {
+    // No interpreter left for the workers to finish in: let the threads go
+    // rather than terminate the process by destroying joinable threads.
+    for (auto& lane : lanes_) {
+      if (lane->thread.joinable()) lane->thread.detach();
+    }
+    return;
+  }
+  try {
     py::gil_scoped_acquire gil;
     close(/*cancel_pending=*/false);
+  } catch (...) {
+    // Destroyed from one of its own lanes: nothing safe to do but detach.
+    for (auto& lane : lanes_) {
+      if (lane->thread.joinable()) lane->thread.detach();
+    }
   }
 }
 

@@ -76,8 +76,8 @@ def _rank_main(rank: int, world: int, init: str, queue, cfg: dict) -> None:
             losses.append(loss)
             if rank == 0:
                 rate = ""
-                if start is not None and step > 3:
-                    rate = f"  {(step - 3) * cfg['batch'] / (time.perf_counter() - start):,.0f} samples/s"
+                if start is not None:  # steps from 3 on are timed
+                    rate = f"  {(step - 2) * cfg['batch'] / (time.perf_counter() - start):,.0f} samples/s"
                 sys.stdout.write(f"\r  {_bar(step, cfg['steps'])} loss {loss:.4f}{rate}   ")
                 sys.stdout.flush()
         elapsed = time.perf_counter() - start
@@ -98,29 +98,14 @@ def _mean_costs(sim) -> dict[str, float]:
 
 def _train(steps: int = 25, chunks: int = 8, batch: int = 256, schedule: str = "zbv") -> None:
     import os
-    import tempfile
 
-    import torch.multiprocessing as mp
-
+    from fastpipe._spawn import spawn
     from fastpipe.schedules import build
 
     print(f"\ntraining a 9-layer MLP with schedule {schedule!r} on 2 gloo ranks (127.0.0.1), "
           f"{chunks} microbatches of {batch // chunks} rows:")
     cfg = {"steps": steps, "chunks": chunks, "batch": batch, "schedule": schedule}
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_rank_main, args=(r, 2, init, queue, cfg)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            results = dict(queue.get(timeout=600) for _ in procs)
-        finally:
-            for p in procs:
-                p.join(60)
-                if p.is_alive():
-                    p.kill()
+    results = spawn(2, _rank_main, cfg, timeout=600)
     losses, sim = results[0]["losses"], results[0]["sim"]
     rate = (steps - 2) * batch / results[0]["elapsed"]
     print(f"\n  loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps; {rate:,.0f} samples/s")

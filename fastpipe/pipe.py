@@ -227,10 +227,7 @@ class Pipe(nn.Module):
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:
-                return executor.run(inputs, targets, loss_fn, train)
-            except BaseException as exc:
-                mailbox.fail(rank, exc)
-                raise
+                return executor.run(inputs, targets, loss_fn, train)  # fails the mailbox on error
             finally:
                 if executor.records is not None:
                     self._recording.extend(executor.records)  # list.extend is atomic

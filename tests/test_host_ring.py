@@ -157,7 +157,9 @@ def test_close_with_cancel_fails_queued_tasks():
     queued = r.submit(0, lambda: "never")
     closer = threading.Thread(target=r.close, kwargs={"cancel_pending": True})
     closer.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while not r.closed and time.monotonic() < deadline:  # close() has set its flags
+        time.sleep(0.001)
     gate.set()
     closer.join(5)
     assert running.wait(1) is True

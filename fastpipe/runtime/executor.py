@@ -3,8 +3,9 @@
 The schedule says *what* to run; this module knows *how*: each action kind
 maps to one small verb (``_forward``, ``_backward``, ``_send_f`` ...). A
 rank's state lives in dicts keyed by ``(stage, microbatch)`` and every entry
-is dropped as soon as the last action that needs it has run, so memory
-follows the schedule's in-flight count.
+is dropped as soon as the last action that needs it has run, so saved
+activations follow the schedule's in-flight count. (Receive buffers do not
+yet: every receive of a step is posted, with its buffer, when the step starts.)
 
 Data flow of one microbatch across a rank boundary (stage s on this rank):
 
@@ -114,19 +115,29 @@ class RankExecutor:
             if action.kind in (Kind.RECV_F, Kind.RECV_B):
                 self._recv(action)
         grad_mode = torch.enable_grad() if train else torch.no_grad()
-        with grad_mode:
-            if self.records is None:
-                for action in self.actions:
-                    self._verbs[action.kind](action)
-            else:
-                origin = self.origin if self.origin is not None else time.perf_counter()
-                for action in self.actions:
-                    self._timed(action, origin)
-            self.transport.finish()
-        leftovers = self._saved.keys() | self._weights.keys()
+        try:
+            with grad_mode:
+                self._loop()
+        except BaseException as exc:
+            self.transport.fail(exc)
+            raise
+        leftovers = [
+            name for name in ("_saved", "_weights", "_outbox", "_pending", "_local")
+            if getattr(self, name)
+        ]
         if leftovers:
-            raise AssertionError(f"rank {self.rank}: schedule left work undone for {sorted(leftovers)}")
+            raise AssertionError(f"rank {self.rank}: the schedule left {leftovers} non-empty")
         return self._results
+
+    def _loop(self) -> None:
+        if self.records is None:
+            for action in self.actions:
+                self._verbs[action.kind](action)
+        else:
+            origin = self.origin if self.origin is not None else time.perf_counter()
+            for action in self.actions:
+                self._timed(action, origin)
+        self.transport.finish()
 
     def _timed(self, a: Action, origin: float) -> None:
         """Runs one action and records it; a wait for data becomes a comm record."""
@@ -134,6 +145,8 @@ class RankExecutor:
         t0 = time.perf_counter()
         self._verbs[a.kind](a)
         t1 = time.perf_counter()
+        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            return  # posted at the start; the wait is recorded with its consumer
         if a.kind not in _COMPUTE:
             self.records.append(TimelineRecord(self.rank, a, t0 - origin, t1 - origin, "comm"))
             return
@@ -214,7 +227,10 @@ class RankExecutor:
         if not self._train:
             self._results[mb] = out
             return
-        loss = self._loss_fn(out, self._targets[mb])
+        target = self._targets[mb]
+        device = self.stages[self.schedule.stages - 1].device
+        target = tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
+        loss = self._loss_fn(out, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")

@@ -7,7 +7,9 @@ Both transports take the same verbs, so the executor has one code path:
     recv(src, key) -> Pending           posts the receive; Pending.wait()
                                         returns (tensors, is_tuple)
     finish()                            waits for outstanding sends
-    fail(exc)                           tells every peer this rank failed
+    fail(exc)                           marks this rank failed: local peers stop
+                                        waiting at once; a distributed rank drops
+                                        its step state (peers see their timeout)
 
 ``key`` is ``(direction, stage, microbatch)``: ``"F"`` for activations going
 to ``stage``, ``"B"`` for gradients going to ``stage``. Keys make matching
@@ -20,6 +22,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -94,7 +97,8 @@ class LocalTransport:
 
     def send(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
         device = self.devices[dst]
-        moved = [_mark(t.detach().to(device, non_blocking=True), t) for t in tensors]
+        # Blocking copies: the consumer runs on another thread, with no stream sync.
+        moved = [_mark(t.detach().to(device), t) for t in tensors]
         self.mailbox.put(key, (moved, is_tuple))
 
     def recv(self, src: int, key: Key) -> _MailboxRecv:
@@ -186,7 +190,7 @@ def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
     """Views into ``buf`` (no copy), flagged for autograd as the sender's were."""
     out, off = [], _HEADER_BYTES
     for dtype, grad, shape in specs:
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        n = int(torch.Size(shape).numel()) * dtype.itemsize
         out.append(buf[off : off + n].view(dtype).view(shape).requires_grad_(grad))
         off += _aligned(n)
     return out
@@ -210,7 +214,10 @@ class _DistRecv:
             work = dist.irecv(buf, src=t.peer(self.src), group=t.group, tag=t.tag(self.key) + 1)
             t._wait(work, f"{_describe(self.key)} from rank {self.src}")
         t._note(self.key, nbytes)
-        return unpack(buf, specs), is_tuple
+        tensors = unpack(buf, specs)
+        if t.device.type != "cpu":
+            tensors = [x.detach().to(t.device).requires_grad_(x.requires_grad) for x in tensors]
+        return tensors, is_tuple
 
 
 @dataclass
@@ -245,7 +252,8 @@ class DistTransport:
         words = encode_header(tensors, is_tuple)
         self._note(key, words[0])
         if words[0] > self._capacity.get(key[:2], 0):
-            notice = encode_header(tensors, is_tuple, oversize=True)
+            notice = list(words)
+            notice[1] = 1  # oversize: the full message follows on the next tag
             small = torch.tensor(notice, dtype=torch.int64).view(torch.uint8)
             self._sends.append((dist.isend(small, dst=peer, group=self.group, tag=tag), small))
             tag += 1
@@ -258,9 +266,13 @@ class DistTransport:
         return _DistRecv(self, src, key, buf, work)
 
     def _wait(self, work: dist.Work, what: str) -> None:
-        from datetime import timedelta
-
-        if not work.wait(timedelta(seconds=self.timeout)):
+        try:
+            done = work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as err:  # gloo reports its timeout as a RuntimeError
+            if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                raise
+            raise TimeoutError(f"{what} not done within timeout={self.timeout} s") from err
+        if not done:
             raise TimeoutError(f"{what} not done within timeout={self.timeout} s")
 
     def finish(self) -> None:
@@ -277,4 +289,6 @@ class DistTransport:
         self._seen.clear()
 
     def fail(self, exc: BaseException) -> None:
-        pass  # peers learn of it by timeout; the reliability work makes this prompt
+        """Drops the failed step's sends and sizes; peers learn of it by their timeout."""
+        self._sends.clear()
+        self._seen.clear()
