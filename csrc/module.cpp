@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "event.h"
 #include "host_ring.h"
+#include "slot_ring.h"
 
 namespace py = pybind11;
 
@@ -80,6 +81,26 @@ PYBIND11_MODULE(_C, m) {
       .def("__enter__", [](HostRing& r) -> HostRing& { return r; },
            py::return_value_policy::reference)
       .def("__exit__", [](HostRing& r, py::args) { r.close(/*cancel_pending=*/false); });
+
+  py::class_<SlotRing>(m, "SlotRing",
+                       "Which of N reusable buffers may be handed out: a slot is reused "
+                       "only after the fence of its last use is done.")
+      .def(py::init<int, bool>(), py::arg("slots"), py::arg("growable") = false)
+      .def("acquire", &SlotRing::acquire, py::arg("timeout") = py::none(),
+           "The oldest free slot whose fence is done. A bounded ring waits (GIL released; "
+           "TimeoutError after `timeout` s); a growable one adds a slot instead.")
+      .def("release", &SlotRing::release, py::arg("slot"), py::arg("fence") = nullptr,
+           "Free `slot`; it is handed out again only once `fence` (an Event, or None) is done.")
+      .def("cancel", &SlotRing::cancel, py::arg("reason"),
+           "Wake every waiter with RuntimeError(reason) and free all slots.")
+      .def_property_readonly("size", &SlotRing::size)
+      .def_property_readonly("held", &SlotRing::held)
+      .def_property_readonly("acquisitions", &SlotRing::acquisitions)
+      .def_property_readonly("growable", &SlotRing::growable)
+      .def("__repr__", [](const SlotRing& r) {
+        return fp_msg("<fastpipe._C.SlotRing size=", r.size(), " held=", r.held(),
+                      r.growable() ? " growable>" : ">");
+      });
 
   m.def("_live_events", &EventState::live, "EventState objects alive (for leak tests).");
 

@@ -14,7 +14,7 @@ from torch import nn
 from fastpipe import _microbatch as mbatch
 from fastpipe.balance import balance_by_params
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
-from fastpipe.runtime.transport import DistTransport, LocalTransport, Mailbox
+from fastpipe.runtime.transport import CommLanes, DistTransport, LocalTransport, Mailbox
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,13 @@ class Pipe(nn.Module):
             device for NCCL).
         stages_per_rank: virtual stages per rank (interleaved, looped, V schedules).
         group: the process group (default: the world, when initialized).
-        timeout: seconds a rank waits for a peer before raising TimeoutError.
+        timeout: seconds a rank waits for a peer (or for a free buffer slot)
+            before raising TimeoutError.
+        overlap: run communication on lanes of fastpipe's native ring (send,
+            send completion, receive posting, receive completion), so compute
+            never waits for a send and receives are posted ahead into a
+            bounded buffer ring. ``False`` runs every transfer inline, in
+            schedule order (useful for debugging and as a baseline).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -78,13 +84,17 @@ class Pipe(nn.Module):
         stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: float = 300.0,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         _check_model(model)
         _check_chunks(chunks)
         self.module = model
         self.chunks = chunks
-        self.timeout = float(timeout)
+        self.timeout = _check_timeout(timeout)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__} ({overlap!r})")
+        self.overlap = overlap
         self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
         self.group = group
         ranks = dist.get_world_size(group) if self.distributed else None
@@ -123,14 +133,30 @@ class Pipe(nn.Module):
             stages[rank] = held
         return stages
 
+    def _lanes(self) -> int:
+        """Lanes of the native ring this pipe uses (created on first use)."""
+        if self.distributed:
+            return 4 if self.overlap else 1
+        return 2 * self.schedule.ranks if self.overlap else self.schedule.ranks
+
+    def _ring_for(self):
+        from fastpipe._ext import native
+
+        if self._ring is None:
+            self._ring = native().HostRing(self._lanes())
+        return self._ring
+
     def _transport(self, rank: int, mailbox: Mailbox | None):
         if self.distributed:
             if self._dist_transport is None:  # kept: it learns buffer sizes across steps
+                lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
                 self._dist_transport = DistTransport(
-                    self.group, self.devices[rank], self.schedule.stages, self.timeout
+                    self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes
                 )
             return self._dist_transport
-        return LocalTransport(mailbox, rank, self.devices, self.timeout)
+        # Local lanes: 0..ranks-1 run each rank's loop, ranks.. its sends.
+        lanes = CommLanes(self._ring, self.schedule.ranks + rank) if self.overlap else None
+        return LocalTransport(mailbox, rank, self.devices, self.timeout, lanes)
 
     # --- running -----------------------------------------------------------------
 
@@ -214,10 +240,7 @@ class Pipe(nn.Module):
         return self._run_local(schedule, inputs, targets, loss_fn, train)
 
     def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
-        from fastpipe._ext import native
-
-        if self._ring is None:
-            self._ring = native().HostRing(schedule.ranks)
+        self._ring_for()
         mailbox = Mailbox()
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
@@ -265,10 +288,11 @@ class Pipe(nn.Module):
         return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
 
     def close(self) -> None:
-        """Stops the local mode's worker lanes (also done at interpreter exit)."""
+        """Stops the pipe's lanes of the native ring (also done at interpreter exit)."""
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+            self._dist_transport = None  # its lanes were on that ring
 
     def extra_repr(self) -> str:
         return f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}"
@@ -290,6 +314,12 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"Pipe needs an nn.Sequential, got {type(model).__name__}")
     if len(model) == 0:
         raise ValueError("Pipe needs an nn.Sequential with at least one layer, got an empty one")
+
+
+def _check_timeout(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
 
 
 def _check_chunks(chunks: Any) -> None:

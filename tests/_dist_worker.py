@@ -24,20 +24,35 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             model = getattr(models, case["model"])()
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
-                        timeout=60)
-            losses, outs = [], []
+                        timeout=60, overlap=case.get("overlap", True))
+            losses, outs, rings = [], [], []
             for x, y in case["batches"]:
                 losses.append(pipe.step(x, y, nn.functional.mse_loss))
+                rings.append(_ring_stats(pipe))
                 with torch.no_grad():
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            results.append({"losses": losses, "grads": grads, "outs": outs})
+            results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings})
         torch.save({"ok": results}, out_path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out_path)
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _ring_stats(pipe) -> dict:
+    """After a training step: buffer-ring sizes, allocations, slots still held, planned sizes."""
+    from fastpipe.runtime.buffers import receive_slots
+
+    rings = pipe._dist_transport.rings()
+    return {
+        "recv_size": {s: r.size for s, r in rings["recv"].items()},
+        "planned": receive_slots(pipe._lowered.actions[pipe.rank]),
+        "send_size": {s: r.size for s, r in rings["send"].items()},
+        "recv_allocations": sum(r.allocations for r in rings["recv"].values()),
+        "held": sum(r.held for kind in rings.values() for r in kind.values()),
+    }
 
 
 if __name__ == "__main__":

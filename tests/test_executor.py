@@ -91,8 +91,13 @@ def test_packed_message_round_trip_keeps_dtypes_shapes_and_grad_flags():
 class _CopyTransport:
     """Stands in for rank 1: keeps copies of what is sent, answers with unit gradients."""
 
+    posts_ahead = False
+
     def __init__(self, on_recv):
         self.sent, self.on_recv = {}, on_recv
+
+    def begin(self, actions):
+        pass
 
     def send(self, tensors, is_tuple, dst, key):
         self.sent[key] = [t.detach().clone() for t in tensors]
@@ -105,6 +110,9 @@ class _CopyTransport:
                 transport.on_recv(key)
                 shape = transport.sent[("F", 1, key[2])][0].shape
                 return [torch.ones(shape, dtype=torch.float64)], False
+
+            def release(self):
+                pass
 
         return Pending()
 

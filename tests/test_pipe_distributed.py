@@ -68,9 +68,9 @@ def _batches(model: str, steps: int, rows: int = 10):
     return out
 
 
-def _case(schedule, model="mlp", chunks=4, balance=None, steps=1):
+def _case(schedule, model="mlp", chunks=4, balance=None, steps=1, overlap=True):
     return {"schedule": schedule, "model": model, "chunks": chunks, "balance": balance,
-            "batches": _batches(model, steps)}
+            "batches": _batches(model, steps), "overlap": overlap}
 
 
 def _verify(cases: list[dict], results: list[list[dict]]) -> None:
@@ -109,6 +109,29 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("gpipe", chunks=3, balance=[1, 5]),
     ]
     _verify(cases, _spawn(2, cases, tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_inline_transfers_and_steady_state_buffers(tmp_path):
+    """overlap=False runs every transfer inline; both modes reuse their buffers.
+
+    From the second step on (once message sizes are known) no receive buffer
+    is allocated, every receive ring has exactly the slots the schedule plan
+    says, and no slot stays held between steps. Send rings grow only to the
+    sends in flight, which depends on timing: at most one per microbatch.
+    """
+    cases = [_case(s, chunks=6, steps=4, overlap=o)
+             for s in ("1f1b", "zbv", "interleaved-1f1b") for o in (False, True)]
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for rank_results in results:
+        for case, got in zip(cases, rank_results):
+            rings = got["rings"]
+            assert rings[3]["recv_allocations"] == rings[1]["recv_allocations"], rings
+            for step in rings:
+                assert step["recv_size"] == step["planned"], case["schedule"]
+                assert step["held"] == 0
+                assert all(n <= case["chunks"] for n in step["send_size"].values()), step
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """Runs actions: the native lane ring and, on top of it, the executor.
 
-``HostRing`` and ``Event`` come from the native extension and are loaded on
+``HostRing``, ``Event`` and ``SlotRing`` come from the native extension and are loaded on
 first access, so importing this package does not load ``fastpipe._C``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Event", "HostRing", "cuda_status"]
+__all__ = ["Event", "HostRing", "SlotRing", "cuda_status"]
 
 
 def __getattr__(name: str) -> Any:

@@ -4,8 +4,9 @@ The schedule says *what* to run; this module knows *how*: each action kind
 maps to one small verb (``_forward``, ``_backward``, ``_send_f`` ...). A
 rank's state lives in dicts keyed by ``(stage, microbatch)`` and every entry
 is dropped as soon as the last action that needs it has run, so saved
-activations follow the schedule's in-flight count. (Receive buffers do not
-yet: every receive of a step is posted, with its buffer, when the step starts.)
+activations follow the schedule's in-flight count. Received buffers are
+handed back to the transport's buffer ring after the last compute action of
+their (stage, microbatch), since the stage input is a view into them.
 
 Data flow of one microbatch across a rank boundary (stage s on this rank):
 
@@ -31,6 +32,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
+from fastpipe.runtime.buffers import last_use
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -82,9 +84,11 @@ class RankExecutor:
         self._wait_end: float | None = None
         self._verbs = {
             Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
-            Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: _posted,
-            Kind.SEND_B: self._send_b, Kind.RECV_B: _posted,
+            Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: self._recv,
+            Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv,
         }
+        # After the action at index i, hand back the buffers of this (stage, mb).
+        self._release_at = {i: key for key, i in last_use(self.actions).items()}
 
     # --- the loop -------------------------------------------------------------
 
@@ -108,12 +112,16 @@ class RankExecutor:
         self._outbox: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
         self._weights: dict[tuple[int, int], WeightWork] = {}
         self._results: dict[int, Any] = {}
-        # Post every receive of the step up front: the sender's message then
-        # lands as soon as it is sent, instead of waiting for the handshake of
-        # a receive posted when the consumer gets to it.
-        for action in self.actions:
-            if action.kind in (Kind.RECV_F, Kind.RECV_B):
-                self._recv(action)
+        self._held: dict[tuple[int, int], list] = {}  # received buffers in use
+        self.transport.begin(self.actions)
+        self._ahead = self.transport.posts_ahead
+        if self._ahead:
+            # Hand every receive of the step to the lanes now: each is posted
+            # as soon as its buffer ring has a slot, so the sender's message
+            # lands when it is sent instead of waiting for the consumer.
+            for action in self.actions:
+                if action.kind in (Kind.RECV_F, Kind.RECV_B):
+                    self._post(action)
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         try:
             with grad_mode:
@@ -122,7 +130,7 @@ class RankExecutor:
             self.transport.fail(exc)
             raise
         leftovers = [
-            name for name in ("_saved", "_weights", "_outbox", "_pending", "_local")
+            name for name in ("_saved", "_weights", "_outbox", "_pending", "_local", "_held")
             if getattr(self, name)
         ]
         if leftovers:
@@ -130,14 +138,23 @@ class RankExecutor:
         return self._results
 
     def _loop(self) -> None:
+        verbs, release_at = self._verbs, self._release_at
         if self.records is None:
-            for action in self.actions:
-                self._verbs[action.kind](action)
+            for i, action in enumerate(self.actions):
+                verbs[action.kind](action)
+                if i in release_at:
+                    self._release(release_at[i])
         else:
             origin = self.origin if self.origin is not None else time.perf_counter()
-            for action in self.actions:
+            for i, action in enumerate(self.actions):
                 self._timed(action, origin)
+                if i in release_at:
+                    self._release(release_at[i])
         self.transport.finish()
+
+    def _release(self, key: tuple[int, int]) -> None:
+        for pending in self._held.pop(key, ()):
+            pending.release()
 
     def _timed(self, a: Action, origin: float) -> None:
         """Runs one action and records it; a wait for data becomes a comm record."""
@@ -146,7 +163,7 @@ class RankExecutor:
         self._verbs[a.kind](a)
         t1 = time.perf_counter()
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
-            return  # posted at the start; the wait is recorded with its consumer
+            return  # a post; the wait is recorded with its consumer
         if a.kind not in _COMPUTE:
             self.records.append(TimelineRecord(self.rank, a, t0 - origin, t1 - origin, "comm"))
             return
@@ -163,7 +180,11 @@ class RankExecutor:
         return self.schedule.stage_to_rank[stage]
 
     def _recv(self, a: Action) -> None:
-        """Posts the receive of ``a`` (all of a step's are posted when it starts)."""
+        """RECV verb: posts the receive, unless all were handed to the lanes at the start."""
+        if not self._ahead:
+            self._post(a)
+
+    def _post(self, a: Action) -> None:
         if a.kind == Kind.RECV_F:
             key, src = ("F", a.stage, a.microbatch), self._owner(a.stage - 1)
         else:
@@ -177,6 +198,7 @@ class RankExecutor:
         if pending is None:  # an unlowered schedule, or a receive not posted early
             pending = self.transport.recv(self._owner(src_stage), key)
         payload = pending.wait()
+        self._held.setdefault((key[1], key[2]), []).append(pending)
         if self.records is not None:
             self._wait_end = time.perf_counter()
         return payload
@@ -273,6 +295,3 @@ class RankExecutor:
     def _backward_weight(self, a: Action) -> None:
         backward_weight(self._weights.pop((a.stage, a.microbatch)))
 
-
-def _posted(a: Action) -> None:
-    """RECV actions: their receive was posted when the step started."""

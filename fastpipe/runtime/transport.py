@@ -2,14 +2,29 @@
 
 Both transports take the same verbs, so the executor has one code path:
 
+    begin(actions)                      a step over this rank's action list starts
     send(tensors, is_tuple, dst, key)   non-blocking; the tensors must not be
                                         modified afterwards
     recv(src, key) -> Pending           posts the receive; Pending.wait()
-                                        returns (tensors, is_tuple)
+                                        returns (tensors, is_tuple) and
+                                        Pending.release() hands its buffer back
+                                        once the stage no longer needs it
     finish()                            waits for outstanding sends
     fail(exc)                           marks this rank failed: local peers stop
                                         waiting at once; a distributed rank drops
                                         its step state (peers see their timeout)
+    posts_ahead                         True when recv() only queues work on a
+                                        lane, so every receive of a step can be
+                                        handed over when it starts
+
+With ``lanes`` (a :class:`CommLanes`), communication runs on lanes of the
+native ring, so the compute thread never blocks on it:
+
+    compute ──F──► send lane: pack + isend ──► send-done lane: wait, free slot
+    post lane: take a slot, irecv ──► recv-done lane: wait, unpack ──► compute
+
+Without lanes every operation runs inline on the compute thread, in list
+order (the plain executor the benchmarks compare against).
 
 ``key`` is ``(direction, stage, microbatch)``: ``"F"`` for activations going
 to ``stage``, ``"B"`` for gradients going to ``stage``. Keys make matching
@@ -28,9 +43,22 @@ import torch
 import torch.distributed as dist
 
 from fastpipe._microbatch import needs_grad
+from fastpipe.runtime.buffers import BufferRing, Stream, receive_slots
+from fastpipe.schedules import Action
 
 Key = tuple[str, int, int]
 Payload = tuple[list[torch.Tensor], bool]
+
+
+@dataclass(frozen=True)
+class CommLanes:
+    """Lanes of a native ``HostRing`` that one rank's communication runs on."""
+
+    ring: object  # fastpipe._C.HostRing
+    send: int
+    send_done: int | None = None
+    post: int | None = None
+    recv_done: int | None = None
 
 
 class PeerError(RuntimeError):
@@ -88,27 +116,62 @@ class _MailboxRecv:
     def wait(self) -> Payload:
         return self.mailbox.take(self.key, self.timeout)
 
+    def release(self) -> None:
+        """Local transfers are fresh tensors: no buffer to hand back."""
+
 
 class LocalTransport:
-    """Ranks in one process, each on its own device; a send is a device copy."""
+    """Ranks in one process, each on its own device; a send is a device copy.
 
-    def __init__(self, mailbox: Mailbox, rank: int, devices: Sequence[torch.device], timeout: float):
+    With ``lanes`` the copy runs on this rank's send lane, so the next compute
+    action starts at once; without, it runs inline.
+    """
+
+    posts_ahead = False  # a receive is a wait on the mailbox, nothing to post
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        rank: int,
+        devices: Sequence[torch.device],
+        timeout: float,
+        lanes: CommLanes | None = None,
+    ):
         self.mailbox, self.rank, self.devices, self.timeout = mailbox, rank, devices, timeout
+        self.lanes = lanes
+        self._sends: list = []
+
+    def begin(self, actions: Sequence[Action]) -> None:
+        self._sends = []
 
     def send(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
-        device = self.devices[dst]
-        # Blocking copies: the consumer runs on another thread, with no stream sync.
-        moved = [_mark(t.detach().to(device), t) for t in tensors]
-        self.mailbox.put(key, (moved, is_tuple))
+        if self.lanes is None:
+            self._deliver(tensors, is_tuple, dst, key)
+            return
+        job = lambda: self._deliver(tensors, is_tuple, dst, key)  # noqa: E731
+        self._sends.append(self.lanes.ring.submit(self.lanes.send, job))
+
+    def _deliver(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
+        try:
+            device = self.devices[dst]
+            # Blocking copies: the consumer runs on another thread, with no stream sync.
+            moved = [_mark(t.detach().to(device), t) for t in tensors]
+            self.mailbox.put(key, (moved, is_tuple))
+        except BaseException as exc:
+            self.mailbox.fail(self.rank, exc)  # the receiver must not wait for it
+            raise
 
     def recv(self, src: int, key: Key) -> _MailboxRecv:
         return _MailboxRecv(self.mailbox, key, self.timeout)
 
     def finish(self) -> None:
-        pass
+        sends, self._sends = self._sends, []
+        for event in sends:
+            event.wait(self.timeout)
 
     def fail(self, exc: BaseException) -> None:
         self.mailbox.fail(self.rank, exc)
+        self._sends = []
 
 
 def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
@@ -174,9 +237,10 @@ def decode_header(words: list[int]) -> tuple[int, bool, bool, list[tuple[torch.d
     return nbytes, oversize, is_tuple, specs
 
 
-def pack(tensors: Sequence[torch.Tensor], words: list[int]) -> torch.Tensor:
-    """One uint8 buffer: header words, then each tensor at an aligned offset."""
-    buf = torch.empty(_HEADER_BYTES + words[0], dtype=torch.uint8)
+def pack(tensors: Sequence[torch.Tensor], words: list[int], buf: torch.Tensor | None = None) -> torch.Tensor:
+    """One uint8 buffer (``buf``, or a new one): header words, then each tensor at an aligned offset."""
+    if buf is None:
+        buf = torch.empty(_HEADER_BYTES + words[0], dtype=torch.uint8)
     buf[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
     off = _HEADER_BYTES
     for t in tensors:
@@ -197,44 +261,71 @@ def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
 
 
 @dataclass
-class _DistRecv:
-    transport: DistTransport
-    src: int
-    key: Key
-    buf: torch.Tensor
+class _Posted:
+    """A receive posted into a slot of its stream's ring."""
+
     work: dist.Work
+    buf: torch.Tensor
+    ring: BufferRing
+    slot: int
+
+
+class _DistRecv:
+    """The pending receive the executor waits on (inline or on the lanes)."""
+
+    def __init__(self, transport: DistTransport, src: int, key: Key, posted=None, event=None):
+        self.transport, self.src, self.key = transport, src, key
+        self._posted, self._event = posted, event
+        self._slot: tuple[BufferRing, int] | None = None
 
     def wait(self) -> Payload:
-        t = self.transport
-        t._wait(self.work, f"{_describe(self.key)} from rank {self.src}")
-        nbytes, oversize, is_tuple, specs = decode_header(self.buf[:_HEADER_BYTES].view(torch.int64).tolist())
-        buf = self.buf
-        if oversize:
-            buf = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
-            work = dist.irecv(buf, src=t.peer(self.src), group=t.group, tag=t.tag(self.key) + 1)
-            t._wait(work, f"{_describe(self.key)} from rank {self.src}")
-        t._note(self.key, nbytes)
-        tensors = unpack(buf, specs)
-        if t.device.type != "cpu":
-            tensors = [x.detach().to(t.device).requires_grad_(x.requires_grad) for x in tensors]
+        if self._event is not None:
+            tensors, is_tuple, self._slot = self._event.wait()
+        else:
+            tensors, is_tuple, self._slot = self.transport._complete(self._posted, self.src, self.key)
         return tensors, is_tuple
+
+    def release(self) -> None:
+        """The stage is done with the tensors (views into the slot): free the slot."""
+        if self._slot is not None:
+            ring, slot = self._slot
+            self._slot = None
+            ring.put(slot)
 
 
 @dataclass
 class DistTransport:
     """One rank of a pipeline over a process group: one packed message per transfer.
 
-    Lives as long as its Pipe: the per-stream capacities it learns carry over
-    from step to step (see the comment above). ``finish`` ends a step.
+    Lives as long as its Pipe: the per-stream capacities it learns and its
+    buffer rings carry over from step to step (see the comment above).
+    ``finish`` ends a step. Receive buffers come from bounded rings sized by
+    ``receive_slots`` for each action list the rank runs (training and
+    inference differ); send buffers from growable rings.
+
+    On NCCL (not yet supported here, see docs/status.md) the buffers would live
+    on the GPU and the lanes would be CUDA streams: ProcessGroupNCCL runs P2P on
+    its own streams, which wait on the current stream when the call is made,
+    and ``Work.wait()`` makes the current stream wait; so isend must be issued
+    under the lane that produced the data and waited under the one that
+    consumes it.
     """
 
     group: dist.ProcessGroup | None
     device: torch.device
     stages: int
     timeout: float
+    lanes: CommLanes | None = None
     _sends: list = field(default_factory=list)
     _capacity: dict = field(default_factory=dict)
     _seen: dict = field(default_factory=dict)
+    _recv_rings: dict = field(default_factory=dict)  # id(actions) -> {stream: BufferRing}
+    _send_rings: dict = field(default_factory=dict)  # stream -> BufferRing
+    _rings: dict = field(default_factory=dict)  # this step's receive rings
+
+    @property
+    def posts_ahead(self) -> bool:
+        return self.lanes is not None
 
     def peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
@@ -247,23 +338,117 @@ class DistTransport:
         stream = key[:2]
         self._seen[stream] = max(self._seen.get(stream, 0), nbytes)
 
+    def begin(self, actions: Sequence[Action]) -> None:
+        """Picks (or makes) the receive rings for this action list."""
+        rings = self._recv_rings.get(id(actions))
+        if rings is None:
+            rings = {
+                stream: BufferRing(n, torch.device("cpu"), growable=False, timeout=self.timeout)
+                for stream, n in receive_slots(actions).items()
+            }
+            self._recv_rings[id(actions)] = rings
+        self._rings = rings
+        self._sends = []
+
+    def rings(self) -> dict[str, dict[Stream, BufferRing]]:
+        """This step's receive rings and every send ring (for tests and stats)."""
+        return {"recv": dict(self._rings), "send": dict(self._send_rings)}
+
+    # --- send: pack into a slot, isend; later wait and free the slot ------------
+
     def send(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
+        if self.lanes is None:
+            self._reap()
+            self._sends.append(self._issue(tensors, is_tuple, dst, key))
+            return
+        ring = self.lanes.ring
+        issued = ring.submit(self.lanes.send, lambda: self._issue(tensors, is_tuple, dst, key))
+        done = ring.submit(self.lanes.send_done, lambda: self._settle(issued.wait()), [issued])
+        self._sends.append(done)
+
+    def _issue(self, tensors, is_tuple, dst, key) -> list:
         tag, peer = self.tag(key), self.peer(dst)
         words = encode_header(tensors, is_tuple)
         self._note(key, words[0])
+        out = []
         if words[0] > self._capacity.get(key[:2], 0):
             notice = list(words)
             notice[1] = 1  # oversize: the full message follows on the next tag
             small = torch.tensor(notice, dtype=torch.int64).view(torch.uint8)
-            self._sends.append((dist.isend(small, dst=peer, group=self.group, tag=tag), small))
-            tag += 1
-        buf = pack(tensors, words)
-        self._sends.append((dist.isend(buf, dst=peer, group=self.group, tag=tag), buf))
+            out.append((dist.isend(small, dst=peer, group=self.group, tag=tag), small, None, -1))
+            buf = pack(tensors, words)  # a one-off size: not worth a slot
+            out.append((dist.isend(buf, dst=peer, group=self.group, tag=tag + 1), buf, None, -1))
+            return out
+        ring = self._send_rings.get(key[:2])
+        if ring is None:
+            ring = self._send_rings[key[:2]] = BufferRing(
+                1, torch.device("cpu"), growable=True, timeout=self.timeout
+            )
+        slot, buf = ring.get(_HEADER_BYTES + words[0])
+        pack(tensors, words, buf)
+        out.append((dist.isend(buf, dst=peer, group=self.group, tag=tag), buf, ring, slot))
+        return out
+
+    def _reap(self) -> None:
+        """Inline mode: frees the slots of the oldest sends that have completed."""
+        while self._sends and all(work.is_completed() for work, *_ in self._sends[0]):
+            self._settle(self._sends.pop(0))
+
+    def _settle(self, issued: list) -> None:
+        for work, _buf, ring, slot in issued:
+            self._wait(work, "send")
+            if ring is not None:
+                ring.put(slot)
+
+    # --- receive: take a slot, irecv; later wait and unpack (views) --------------
 
     def recv(self, src: int, key: Key) -> _DistRecv:
-        buf = torch.empty(_HEADER_BYTES + self._capacity.get(key[:2], 0), dtype=torch.uint8)
-        work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
-        return _DistRecv(self, src, key, buf, work)
+        if self.lanes is None:
+            return _DistRecv(self, src, key, posted=self._post(src, key))
+        ring = self.lanes.ring
+        posted = ring.submit(self.lanes.post, lambda: self._post(src, key))
+        done = ring.submit(
+            self.lanes.recv_done, lambda: self._complete(posted.wait(), src, key), [posted]
+        )
+        return _DistRecv(self, src, key, event=done)
+
+    def _post(self, src: int, key: Key) -> _Posted:
+        ring = self._rings[key[:2]]
+        slot, buf = ring.get(_HEADER_BYTES + self._capacity.get(key[:2], 0))
+        try:
+            work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
+        except BaseException:
+            ring.put(slot)
+            raise
+        return _Posted(work, buf, ring, slot)
+
+    def _complete(self, posted: _Posted, src: int, key: Key):
+        """Waits for a posted receive; returns (tensors, is_tuple, slot still held or None)."""
+        what = f"{_describe(key)} from rank {src}"
+        held: tuple[BufferRing, int] | None = (posted.ring, posted.slot)
+        try:
+            self._wait(posted.work, what)
+            words = posted.buf[:_HEADER_BYTES].view(torch.int64).tolist()
+            nbytes, oversize, is_tuple, specs = decode_header(words)
+            buf = posted.buf
+            if oversize:
+                posted.ring.put(posted.slot)  # it held only the notice
+                held = None
+                buf = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
+                work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key) + 1)
+                self._wait(work, what)
+            self._note(key, nbytes)
+            tensors = unpack(buf, specs)
+            if self.device.type != "cpu":
+                tensors = [x.detach().to(self.device).requires_grad_(x.requires_grad) for x in tensors]
+                if held is not None:
+                    posted.ring.put(posted.slot)  # the data was copied out
+                    held = None
+        except BaseException:
+            if held is not None:
+                held[0].put(held[1])
+            raise
+        return tensors, is_tuple, held
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -282,13 +467,25 @@ class DistTransport:
         its capacity to the same value.
         """
         sends, self._sends = self._sends, []
-        for work, _ in sends:
-            self._wait(work, "send")
+        for item in sends:
+            if isinstance(item, list):
+                self._settle(item)
+            else:
+                item.wait()
         for stream, nbytes in self._seen.items():
             self._capacity[stream] = max(self._capacity.get(stream, 0), nbytes)
         self._seen.clear()
 
     def fail(self, exc: BaseException) -> None:
-        """Drops the failed step's sends and sizes; peers learn of it by their timeout."""
-        self._sends.clear()
+        """Drops the failed step's sends and sizes and frees every buffer slot.
+
+        Peers learn of the failure by their timeout. Slots are cancelled so no
+        lane stays blocked waiting for one.
+        """
+        self._sends = []
         self._seen.clear()
+        for rings in self._recv_rings.values():
+            for ring in rings.values():
+                ring.cancel(f"the step failed: {exc!r}")
+        for ring in self._send_rings.values():
+            ring.cancel(f"the step failed: {exc!r}")
