@@ -14,9 +14,9 @@ from typing import Any
 
 from fastpipe._version import __version__
 
-__all__ = ["Pipe", "__version__", "balance", "schedules"]
+__all__ = ["Pipe", "__version__", "balance", "is_recomputing", "schedules"]
 
-_LAZY = {"Pipe": "fastpipe.pipe"}
+_LAZY = {"Pipe": "fastpipe.pipe", "is_recomputing": "fastpipe.runtime.checkpoint"}
 
 
 def __getattr__(name: str) -> Any:

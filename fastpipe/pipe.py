@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from torch import nn
 
 from fastpipe import _microbatch as mbatch
 from fastpipe.balance import balance_by_params
+from fastpipe.runtime.checkpoint import check_mode
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.transport import CommLanes, DistTransport, LocalTransport, Mailbox
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
@@ -67,6 +69,13 @@ class Pipe(nn.Module):
             never waits for a send and receives are posted ahead into a
             bounded buffer ring. ``False`` runs every transfer inline, in
             schedule order (useful for debugging and as a baseline).
+        checkpoint: ``"never"`` (default), ``"except_last"`` or ``"always"``:
+            which microbatches forget their stage activations in forward and
+            recompute them in backward (torchgpipe's modes; the last
+            microbatch's backward follows its forward, so recomputing it
+            saves little). Gradients are unchanged, dropout included: the
+            recomputation replays the forward's random state. A layer can
+            call ``fastpipe.is_recomputing()`` to skip side effects.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -85,6 +94,7 @@ class Pipe(nn.Module):
         group: dist.ProcessGroup | None = None,
         timeout: float = 300.0,
         overlap: bool = True,
+        checkpoint: str = "never",
     ) -> None:
         super().__init__()
         _check_model(model)
@@ -95,6 +105,7 @@ class Pipe(nn.Module):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__} ({overlap!r})")
         self.overlap = overlap
+        self.checkpoint = check_mode(checkpoint)
         self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
         self.group = group
         ranks = dist.get_world_size(group) if self.distributed else None
@@ -232,7 +243,8 @@ class Pipe(nn.Module):
 
     def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool) -> dict[int, Any]:
         if self.distributed:
-            executor = RankExecutor(self.rank, schedule, self._stages[self.rank], self._transport(self.rank, None))
+            executor = RankExecutor(self.rank, schedule, self._stages[self.rank],
+                                    self._transport(self.rank, None), self.checkpoint)
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording
@@ -242,11 +254,15 @@ class Pipe(nn.Module):
     def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
         self._ring_for()
         mailbox = Mailbox()
+        # Ranks are threads sharing the CPU generator: with checkpointing,
+        # stochastic stages take turns drawing so recomputation replays exactly.
+        rng_lock = threading.Lock() if self.checkpoint != "never" else None
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
 
         def run_rank(rank: int):
-            executor = RankExecutor(rank, schedule, self._stages[rank], self._transport(rank, mailbox))
+            executor = RankExecutor(rank, schedule, self._stages[rank],
+                                    self._transport(rank, mailbox), self.checkpoint, rng_lock)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:
@@ -295,7 +311,8 @@ class Pipe(nn.Module):
             self._dist_transport = None  # its lanes were on that ring
 
     def extra_repr(self) -> str:
-        return f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}"
+        return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "
+                f"checkpoint={self.checkpoint!r}")
 
 
 def _outcome(event) -> Any:

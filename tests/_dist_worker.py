@@ -24,7 +24,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             model = getattr(models, case["model"])()
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
-                        timeout=60, overlap=case.get("overlap", True))
+                        timeout=60, overlap=case.get("overlap", True),
+                        checkpoint=case.get("checkpoint", "never"))
             losses, outs, rings = [], [], []
             for x, y in case["batches"]:
                 losses.append(pipe.step(x, y, nn.functional.mse_loss))

@@ -68,9 +68,9 @@ def _batches(model: str, steps: int, rows: int = 10):
     return out
 
 
-def _case(schedule, model="mlp", chunks=4, balance=None, steps=1, overlap=True):
+def _case(schedule, model="mlp", chunks=4, balance=None, steps=1, overlap=True, checkpoint="never"):
     return {"schedule": schedule, "model": model, "chunks": chunks, "balance": balance,
-            "batches": _batches(model, steps), "overlap": overlap}
+            "batches": _batches(model, steps), "overlap": overlap, "checkpoint": checkpoint}
 
 
 def _verify(cases: list[dict], results: list[list[dict]]) -> None:
@@ -107,6 +107,9 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("zb-h1", model="embedding_model", chunks=3, steps=2),
         _case("dualpipev", model="embedding_model", steps=2),
         _case("gpipe", chunks=3, balance=[1, 5]),
+        _case("zbv", checkpoint="except_last"),
+        _case("1f1b", model="tuple_model", checkpoint="always"),
+        _case("dualpipev", model="embedding_model", steps=2, checkpoint="always"),
     ]
     _verify(cases, _spawn(2, cases, tmp_path))
 

@@ -24,7 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import threading
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -33,6 +35,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
 from fastpipe.runtime.buffers import last_use
+from fastpipe.runtime.checkpoint import RngState, checkpointed, forgetful, guarded, recompute, stochastic
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -49,8 +52,11 @@ class Stage:
     device: torch.device
     params: list[torch.Tensor] = field(init=False)
 
+    stochastic: bool = field(init=False)  # holds dropout-like layers
+
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.stochastic = stochastic(self.module)
 
 
 @dataclass
@@ -60,6 +66,8 @@ class _Saved:
     roots: list[torch.Tensor | GradientEdge]  # the loss tensor, or edges of the outputs
     leaves: list[torch.Tensor]
     grads: list[torch.Tensor | None] | None = None  # set once received
+    rng: RngState | None = None  # checkpointed: roots come from a recomputation
+    is_tuple: bool = False
 
 
 class RankExecutor:
@@ -70,10 +78,24 @@ class RankExecutor:
         schedule: the lowered schedule (compute and communication actions).
         stages: the stages this rank holds, by stage index.
         transport: a LocalTransport or DistTransport for this rank.
+        checkpoint: ``"never"``, ``"except_last"`` or ``"always"`` (see
+            ``fastpipe.runtime.checkpoint``).
+        rng_lock: local mode: a lock shared by the ranks' threads that
+            stochastic stages hold while they draw random numbers, so a
+            checkpointed forward replays exactly.
     """
 
-    def __init__(self, rank: int, schedule: Schedule, stages: dict[int, Stage], transport) -> None:
+    def __init__(
+        self,
+        rank: int,
+        schedule: Schedule,
+        stages: dict[int, Stage],
+        transport,
+        checkpoint: str = "never",
+        rng_lock: threading.Lock | None = None,
+    ) -> None:
         self.rank = rank
+        self.checkpoint, self.rng_lock = checkpoint, rng_lock
         self.schedule = schedule
         self.stages = stages
         self.transport = transport
@@ -232,23 +254,26 @@ class RankExecutor:
         else:
             received, is_tuple = self._take(("F", a.stage, mb), a.stage - 1)
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
-        out = stage.module(unflatten(leaves, is_tuple))
+        ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
+        with guarded(self.rng_lock if stage.stochastic else None):
+            rng = RngState.capture(stage.device) if ckpt else None
+            with forgetful() if ckpt else nullcontext():
+                out = stage.module(unflatten(leaves, is_tuple))
+                loss = self._loss(mb, out) if last and self._train else None
         if last:
-            self._finish_forward(mb, out, leaves)
+            self._finish_forward(mb, out, loss, leaves, rng, is_tuple)
             return
         tensors, out_tuple = flatten(out)
         self._deliver(("F", a.stage + 1, mb), a.stage + 1, (tensors, out_tuple))
         if self._train:
             # Keep graph edges, not the output tensors: once sent, an output's
             # memory is freed unless autograd itself saved it for backward.
-            roots = [get_gradient_edge(t) for t in tensors if needs_grad(t)]
-            self._saved[(a.stage, mb)] = _Saved(roots, leaves)
+            roots = [] if ckpt else [get_gradient_edge(t) for t in tensors if needs_grad(t)]
+            self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, is_tuple=is_tuple)
 
-    def _finish_forward(self, mb: int, out: Value, leaves: list[torch.Tensor]) -> None:
-        if not self._train:
-            self._results[mb] = out
-            return
+    def _loss(self, mb: int, out: Value) -> torch.Tensor:
+        """The scaled loss of one microbatch (its mean over microbatches)."""
         target = self._targets[mb]
         device = self.stages[self.schedule.stages - 1].device
         target = tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
@@ -256,12 +281,32 @@ class RankExecutor:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-        self._results[mb] = loss.detach().reshape(())
-        scaled = loss.reshape(()) / self.schedule.microbatches  # the mean over microbatches
-        self._saved[(self.schedule.stages - 1, mb)] = _Saved([scaled], leaves, [None])
+        return loss.reshape(())
+
+    def _finish_forward(self, mb, out, loss, leaves, rng, is_tuple) -> None:
+        if not self._train:
+            self._results[mb] = out
+            return
+        self._results[mb] = loss.detach()
+        roots = [] if rng is not None else [loss / self.schedule.microbatches]
+        self._saved[(self.schedule.stages - 1, mb)] = _Saved(roots, leaves, [None], rng, is_tuple)
+
+    def _recompute(self, stage_index: int, mb: int, saved: _Saved) -> None:
+        """A checkpointed microbatch: its forward again, now keeping the graph."""
+        stage = self.stages[stage_index]
+        with recompute(saved.rng, self.rng_lock if stage.stochastic else None):
+            out = stage.module(unflatten(saved.leaves, saved.is_tuple))
+            if stage_index == self.schedule.stages - 1:
+                saved.roots = [self._loss(mb, out) / self.schedule.microbatches]
+            else:
+                tensors, _ = flatten(out)
+                saved.roots = [get_gradient_edge(t) for t in tensors if needs_grad(t)]
+        saved.rng = None
 
     def _grads_for(self, stage: int, mb: int) -> _Saved:
         saved = self._saved[(stage, mb)]
+        if saved.rng is not None:  # recompute first: the gradient may still be on its way
+            self._recompute(stage, mb, saved)
         if saved.grads is None:
             grads, _ = self._take(("B", stage, mb), stage + 1)
             saved.grads = list(grads)

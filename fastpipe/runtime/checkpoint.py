@@ -1,0 +1,144 @@
+"""Stage checkpointing: forget a stage's activations in forward, recompute them in backward.
+
+A checkpointed microbatch runs its stage forward with every tensor autograd
+would save dropped (a ``saved_tensors_hooks`` pair that keeps nothing), so
+the graph and the ``requires_grad`` flags are exactly those of a normal
+forward but hold no activation memory. Its backward (B or I) first runs the
+stage forward again from the same inputs, under the random state the first
+forward started with, and then backpropagates through that fresh graph:
+
+    F (checkpointed):  x ──► stage(x) ──► y   (nothing saved; RNG state kept)
+    B / I:             restore RNG ──► stage(x) ──► y' ──► backward(y', dy)
+
+The modes follow torchgpipe: ``"always"`` checkpoints every microbatch,
+``"except_last"`` all but the last (whose backward comes right after its
+forward, so recomputing it saves nothing), ``"never"`` none.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MODES = ("never", "except_last", "always")
+
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while the current thread runs a stage's forward again for its backward.
+
+    A layer with side effects (a counter, a running statistic, a cache) can
+    skip them during the recomputation, which would otherwise repeat them::
+
+        def forward(self, x):
+            if not fastpipe.is_recomputing():
+                self.calls += 1
+            return self.body(x)
+    """
+    return getattr(_state, "recomputing", False)
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    previous = is_recomputing()
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = previous
+
+
+def check_mode(mode: object) -> str:
+    """Returns ``mode`` if it is one of ``MODES``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"checkpoint must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+def checkpointed(mode: str, microbatch: int, microbatches: int) -> bool:
+    """Whether ``microbatch`` of a stage is checkpointed under ``mode``."""
+    if mode == "always":
+        return True
+    if mode == "except_last":
+        return microbatch != microbatches - 1
+    return False
+
+
+def stochastic(module: nn.Module) -> bool:
+    """True when ``module`` holds a layer known to draw random numbers in training."""
+    kinds = (nn.modules.dropout._DropoutNd, nn.RReLU)
+    return any(isinstance(m, kinds) for m in module.modules())
+
+
+@dataclass
+class RngState:
+    """The CPU generator's state and, for a CUDA stage, its device's."""
+
+    cpu: torch.Tensor
+    device: torch.device
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(torch.get_rng_state(), device, cuda)
+
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """Runs the block from this state; the generators continue afterwards
+        as if the block had not run."""
+        devices = [self.device] if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield
+
+
+def _drop(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_packed: None) -> torch.Tensor:
+    raise AssertionError("a checkpointed forward's graph was used for backward")
+
+
+def forgetful():
+    """Context in which autograd builds its graph but saves no tensor."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked)
+
+
+@contextmanager
+def recompute(rng: RngState, lock: threading.Lock | None) -> Iterator[None]:
+    """The block re-runs a checkpointed forward: same random state, flagged."""
+    with _maybe(lock), rng.replay(), _recomputing(), torch.enable_grad():
+        yield
+
+
+@contextmanager
+def _maybe(lock: threading.Lock | None) -> Iterator[None]:
+    if lock is None:
+        yield
+        return
+    with lock:
+        yield
+
+
+def guarded(lock: threading.Lock | None):
+    """Holds ``lock`` (if any) around a forward that draws random numbers.
+
+    In local mode every rank is a thread sharing the CPU generator; a
+    checkpointed forward is replayed exactly only if no other thread draws
+    from it in between, so stochastic forwards take turns.
+    """
+    return _maybe(lock)

@@ -1,0 +1,164 @@
+"""Stage checkpointing: same gradients, dropout replayed, nothing saved in forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fastpipe
+from fastpipe import Pipe
+from fastpipe.runtime.checkpoint import checkpointed
+from fastpipe.runtime.executor import RankExecutor, Stage
+from fastpipe.runtime.transport import LocalTransport, Mailbox
+from fastpipe.schedules import build, lower
+from tests.models import mlp, tuple_model
+
+F = nn.functional
+SPR = {"zbv": 2, "interleaved-1f1b": 2}
+
+
+def _grads(model_fn, schedule, checkpoint, ranks=2, chunks=4, seed=None):
+    model = model_fn()
+    torch.manual_seed(3)
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64)
+    pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=["cpu"] * ranks,
+                stages_per_rank=SPR.get(schedule), checkpoint=checkpoint)
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        loss = pipe.step(x, y, F.mse_loss)
+    finally:
+        pipe.close()
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+@pytest.mark.parametrize("model_fn", [mlp, tuple_model])
+def test_grads_equal_the_unchekpointed_run_exactly(schedule, mode, model_fn):
+    loss, grads = _grads(model_fn, schedule, "never")
+    ck_loss, ck_grads = _grads(model_fn, schedule, mode)
+    assert torch.equal(loss, ck_loss)
+    for name in grads:
+        assert torch.equal(grads[name], ck_grads[name]), name
+
+
+def _dropout_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3),
+        nn.Linear(16, 3),
+    ).double()
+
+
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+def test_dropout_is_replayed_in_one_rank(mode):
+    # One rank runs its microbatches in a fixed order, so the unchekpointed
+    # run draws the same masks: the grads must match bit for bit.
+    loss, grads = _grads(_dropout_model, "1f1b", "never", ranks=1, seed=11)
+    ck_loss, ck_grads = _grads(_dropout_model, "1f1b", mode, ranks=1, seed=11)
+    assert torch.equal(loss, ck_loss)
+    for name in grads:
+        assert torch.equal(grads[name], ck_grads[name]), name
+
+
+class _MaskLog(nn.Module):
+    """Dropout that logs its mask, tagged with whether it runs in a recomputation."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log, self.inner = log, nn.Dropout(0.5)
+
+    def forward(self, x):
+        out = self.inner(x)
+        self.log.append((fastpipe.is_recomputing(), x.shape, (out != 0).clone()))
+        return out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_two_local_ranks_replay_their_masks(schedule):
+    """Ranks are concurrent threads: each recomputation must still see its forward's mask."""
+    logs = [[], [], [], []]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 8), _MaskLog(logs[0]), nn.Linear(8, 8), _MaskLog(logs[1]),
+        nn.Linear(8, 8), _MaskLog(logs[2]), nn.Linear(8, 3), _MaskLog(logs[3]),
+    ).double()
+    pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"],
+                stages_per_rank=SPR.get(schedule), checkpoint="always",
+                balance=[2, 2, 2, 2] if schedule == "zbv" else [4, 4])
+    try:
+        pipe.step(torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64), F.mse_loss)
+    finally:
+        pipe.close()
+    for log in logs:
+        first = [mask for again, _, mask in log if not again]
+        again = [mask for again, _, mask in log if again]
+        assert len(first) == len(again) == 4
+        # Stages run their microbatches in order, in forward and in backward.
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def _saved_bytes_outside_recompute(mode: str) -> tuple[int, int]:
+    """(bytes autograd saved in forward, bytes it saved while recomputing), one rank."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh()).double()
+    stage = Stage(0, model, torch.device("cpu"))
+    schedule = lower(build("gpipe", 1, 4))
+    ex = RankExecutor(0, schedule, {0: stage}, LocalTransport(Mailbox(), 0, [stage.device], 5), mode)
+    counts = [0, 0]
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            counts[fastpipe.is_recomputing()] += t.numel() * t.element_size()
+        return t
+
+    x = [torch.randn(3, 6, dtype=torch.float64) for _ in range(4)]
+    y = [torch.randn(3, 32, dtype=torch.float64) for _ in range(4)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ex.run(x, y, F.mse_loss, train=True)
+    return counts[0], counts[1]
+
+
+def test_checkpointed_forward_saves_no_activation():
+    never = _saved_bytes_outside_recompute("never")
+    always = _saved_bytes_outside_recompute("always")
+    last_only = _saved_bytes_outside_recompute("except_last")
+    assert never[0] > 0 and never[1] == 0
+    assert always[0] == 0 and always[1] == never[0]
+    assert last_only[0] * 4 == never[0]  # only the last of 4 microbatches
+    assert last_only[1] * 4 == never[0] * 3
+
+
+def test_side_effects_can_skip_the_recomputation():
+    class Counter(nn.Module):
+        calls = 0
+
+        def forward(self, x):
+            if not fastpipe.is_recomputing():
+                Counter.calls += 1
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), Counter(), nn.Linear(4, 3)).double()
+    pipe = Pipe(model, chunks=4, schedule="1f1b", devices=["cpu", "cpu"], checkpoint="always")
+    try:
+        pipe.step(torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64), F.mse_loss)
+    finally:
+        pipe.close()
+    assert Counter.calls == 4
+    assert not fastpipe.is_recomputing()
+
+
+def test_modes():
+    assert [checkpointed("except_last", i, 4) for i in range(4)] == [True, True, True, False]
+    assert all(checkpointed("always", i, 4) for i in range(4))
+    assert not any(checkpointed("never", i, 4) for i in range(4))
+
+
+@pytest.mark.parametrize("bad", ["sometimes", None, 1, "Always"])
+def test_bad_mode_names_the_value(bad):
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        Pipe(mlp(), chunks=2, devices=["cpu", "cpu"], checkpoint=bad)
