@@ -2,9 +2,9 @@
 
 import sys
 
-from bench import iw_split, pipelining
+from bench import iw_split, pipelining, recompute
 
-BENCHES = {"pipelining": pipelining.main, "iw_split": iw_split.main}
+BENCHES = {"pipelining": pipelining.main, "iw_split": iw_split.main, "recompute": recompute.main}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

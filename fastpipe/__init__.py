@@ -14,9 +14,16 @@ from typing import Any
 
 from fastpipe._version import __version__
 
-__all__ = ["Pipe", "__version__", "balance", "is_recomputing", "schedules"]
+__all__ = [
+    "Pipe", "__version__", "balance", "is_recomputing", "kernels", "schedules",
+    "selective_recompute",
+]
 
-_LAZY = {"Pipe": "fastpipe.pipe", "is_recomputing": "fastpipe.runtime.checkpoint"}
+_LAZY = {
+    "Pipe": "fastpipe.pipe",
+    "is_recomputing": "fastpipe.runtime.checkpoint",
+    "selective_recompute": "fastpipe.kernels.recompute",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -24,6 +31,6 @@ def __getattr__(name: str) -> Any:
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("balance", "schedules", "runtime"):
+    if name in ("balance", "kernels", "schedules", "runtime"):
         return importlib.import_module(f"fastpipe.{name}")
     raise AttributeError(f"module 'fastpipe' has no attribute {name!r}")

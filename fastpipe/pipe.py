@@ -76,6 +76,10 @@ class Pipe(nn.Module):
             saves little). Gradients are unchanged, dropout included: the
             recomputation replays the forward's random state. A layer can
             call ``fastpipe.is_recomputing()`` to skip side effects.
+        recompute: ``"none"`` (default) or ``"selective"``: apply
+            ``fastpipe.selective_recompute`` to the model (in place) so
+            activations feeding a Linear, dropout masks and norm outputs are
+            recomputed in backward instead of stored.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -95,6 +99,7 @@ class Pipe(nn.Module):
         timeout: float = 300.0,
         overlap: bool = True,
         checkpoint: str = "never",
+        recompute: str = "none",
     ) -> None:
         super().__init__()
         _check_model(model)
@@ -106,6 +111,13 @@ class Pipe(nn.Module):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__} ({overlap!r})")
         self.overlap = overlap
         self.checkpoint = check_mode(checkpoint)
+        if recompute not in ("none", "selective"):
+            raise ValueError(f"recompute must be 'none' or 'selective', got {recompute!r}")
+        if recompute == "selective":
+            from fastpipe.kernels import selective_recompute
+
+            selective_recompute(model)
+        self.recompute = recompute
         self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
         self.group = group
         ranks = dist.get_world_size(group) if self.distributed else None

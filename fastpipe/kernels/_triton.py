@@ -1,0 +1,36 @@
+"""Triton helpers shared by the kernels: rounding stores and the grid."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # elements per program of the elementwise kernels
+
+
+def grid1d(n: int, block: int = BLOCK) -> tuple[int]:
+    return (triton.cdiv(max(n, 1), block),)
+
+
+@triton.jit
+def to_bf16_rne(x):
+    """fp32 -> bf16 with round-to-nearest-even, written out so it does not depend
+    on the backend's conversion (the interpreter's truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def store(ptr, x, mask, OUT_BF16: tl.constexpr):
+    """Stores fp32 ``x`` in the dtype of ``ptr``, rounding bf16 explicitly."""
+    if OUT_BF16:
+        tl.store(ptr, to_bf16_rne(x), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+def is_bf16(t) -> bool:
+    import torch
+
+    return t.dtype == torch.bfloat16
