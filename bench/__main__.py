@@ -2,9 +2,10 @@
 
 import sys
 
-from bench import iw_split, pipelining, recompute
+from bench import iw_split, packing, pipelining, recompute
 
-BENCHES = {"pipelining": pipelining.main, "iw_split": iw_split.main, "recompute": recompute.main}
+BENCHES = {"pipelining": pipelining.main, "iw_split": iw_split.main, "recompute": recompute.main,
+           "packing": packing.main}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 
 #include "checks.h"
@@ -47,6 +49,21 @@ py::object event_wait(const EventPtr& event, std::optional<double> timeout) {
     }
   }
   return event->result_or_raise();
+}
+
+// Copies regions between host addresses with the GIL released: the CPU path
+// of send-buffer packing (fastpipe/runtime/packing.py), which passes
+// data_ptr()s of live tensors it holds for the duration of the call.
+void copy_regions(std::uintptr_t dst, const std::vector<std::uintptr_t>& srcs,
+                  const std::vector<std::size_t>& offsets, const std::vector<std::size_t>& sizes) {
+  FP_CHECK_VALUE(srcs.size() == offsets.size() && srcs.size() == sizes.size(),
+                 "srcs, offsets and sizes must have one entry per region, got ", srcs.size(), ", ",
+                 offsets.size(), " and ", sizes.size());
+  py::gil_scoped_release nogil;
+  auto* out = reinterpret_cast<unsigned char*>(dst);
+  for (std::size_t i = 0; i < srcs.size(); ++i) {
+    if (sizes[i] != 0) std::memcpy(out + offsets[i], reinterpret_cast<const void*>(srcs[i]), sizes[i]);
+  }
 }
 
 }  // namespace
@@ -102,6 +119,10 @@ PYBIND11_MODULE(_C, m) {
                       r.growable() ? " growable>" : ">");
       });
 
+  m.def("_copy_regions", &copy_regions, py::arg("dst"), py::arg("srcs"), py::arg("offsets"),
+        py::arg("sizes"),
+        "memcpy(dst + offsets[i], srcs[i], sizes[i]) for every i, GIL released (host "
+        "addresses of live buffers only; used by fastpipe.pack).");
   m.def("_live_events", &EventState::live, "EventState objects alive (for leak tests).");
 
 #ifdef FASTPIPE_WITH_CUDA

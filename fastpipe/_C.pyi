@@ -12,6 +12,8 @@ def cuda_status() -> str:
     """Why the CUDA backend can or cannot be used in this process."""
 
 def _live_events() -> int: ...
+def _copy_regions(dst: int, srcs: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> None:
+    """memcpy of host regions with the GIL released (packing's CPU path)."""
 
 class Event:
     """Completion of one task submitted to a ring lane (created by HostRing.submit)."""

@@ -15,14 +15,17 @@ from typing import Any
 from fastpipe._version import __version__
 
 __all__ = [
-    "Pipe", "__version__", "balance", "is_recomputing", "kernels", "schedules",
-    "selective_recompute",
+    "Layout", "Pipe", "__version__", "balance", "is_recomputing", "kernels", "pack", "schedules",
+    "selective_recompute", "unpack",
 ]
 
 _LAZY = {
     "Pipe": "fastpipe.pipe",
     "is_recomputing": "fastpipe.runtime.checkpoint",
     "selective_recompute": "fastpipe.kernels.recompute",
+    "pack": "fastpipe.runtime.packing",
+    "unpack": "fastpipe.runtime.packing",
+    "Layout": "fastpipe.runtime.packing",
 }
 
 

@@ -1,8 +1,8 @@
 """Splitting a batch into microbatches and flattening stage values to tensors.
 
 A stage receives exactly what ``nn.Sequential`` would pass its first layer:
-one tensor, or one tuple of tensors. Between ranks that value travels as a
-flat list of tensors plus a flag saying whether it was a tuple.
+one tensor, or one tuple (of tensors and plain values). Between ranks that
+value travels as a flat list of tensors plus its structure (``Spec``).
 """
 
 from __future__ import annotations
@@ -55,25 +55,56 @@ def batch_size(batch: Value) -> int:
     return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 0
 
 
-def flatten(value: Value) -> tuple[list[torch.Tensor], bool]:
-    """Returns (tensors, is_tuple) for a stage output.
+class _TensorMark:
+    """Stands for "the next tensor" in a stage value's structure; pickles by name."""
+
+    def __repr__(self) -> str:
+        return "TENSOR"
+
+    def __reduce__(self) -> str:
+        return "TENSOR"
+
+
+TENSOR = _TensorMark()
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+# The structure of a stage value: False for one tensor, True for a tuple of
+# tensors, or a tuple with TENSOR where a tensor goes and plain values
+# (int, float, bool, str, bytes, None) elsewhere, which travel as they are.
+Spec = Any
+
+
+def flatten(value: Value) -> tuple[list[torch.Tensor], Spec]:
+    """Returns (tensors, spec) for a stage output.
 
     Raises:
-        TypeError: the value holds something other than tensors.
+        TypeError: the value holds something other than tensors and plain values.
     """
     if isinstance(value, torch.Tensor):
         return [value], False
-    if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) for t in value):
-        return list(value), True
+    if isinstance(value, tuple):
+        if all(isinstance(t, torch.Tensor) for t in value):
+            return list(value), True
+        if all(isinstance(v, (torch.Tensor, *_PLAIN)) for v in value):
+            tensors = [v for v in value if isinstance(v, torch.Tensor)]
+            return tensors, tuple(TENSOR if isinstance(v, torch.Tensor) else v for v in value)
     kind = type(value).__name__
     if isinstance(value, tuple):
         kind = "tuple of " + ", ".join(type(v).__name__ for v in value)
-    raise TypeError(f"a stage must return a tensor or a tuple of tensors, got {kind}")
+    raise TypeError(
+        "a stage must return a tensor or a tuple of tensors and plain values "
+        f"(int, float, bool, str, bytes, None), got {kind}"
+    )
 
 
-def unflatten(tensors: Sequence[torch.Tensor], is_tuple: bool) -> Value:
+def unflatten(tensors: Sequence[torch.Tensor], spec: Spec) -> Value:
     """Inverse of ``flatten``."""
-    return tuple(tensors) if is_tuple else tensors[0]
+    if spec is False:
+        return tensors[0]
+    if spec is True:
+        return tuple(tensors)
+    it = iter(tensors)
+    return tuple(next(it) if v is TENSOR else v for v in spec)
 
 
 def gather(outputs: Sequence[Value]) -> Value:

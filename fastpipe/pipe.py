@@ -16,6 +16,7 @@ from fastpipe import _microbatch as mbatch
 from fastpipe.balance import balance_by_params
 from fastpipe.runtime.checkpoint import check_mode
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
+from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.transport import CommLanes, DistTransport, LocalTransport, Mailbox
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
@@ -80,6 +81,14 @@ class Pipe(nn.Module):
             ``fastpipe.selective_recompute`` to the model (in place) so
             activations feeding a Linear, dropout masks and norm outputs are
             recomputed in backward instead of stored.
+        wire_dtype: activations cross rank boundaries in this dtype
+            (``torch.bfloat16``, ``torch.float16`` or ``torch.float8_e4m3fn``):
+            floating tensors wider than it are rounded to nearest even on the
+            way out and cast back on arrival, so slow links carry fewer bytes.
+            Integer and bool tensors are never cast. None (default) sends
+            exact values.
+        grad_wire_dtype: the same for the gradients sent back (kept separate:
+            gradients are more sensitive to rounding).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -100,6 +109,8 @@ class Pipe(nn.Module):
         overlap: bool = True,
         checkpoint: str = "never",
         recompute: str = "none",
+        wire_dtype: torch.dtype | None = None,
+        grad_wire_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         _check_model(model)
@@ -118,6 +129,9 @@ class Pipe(nn.Module):
 
             selective_recompute(model)
         self.recompute = recompute
+        check_wire(wire_dtype)
+        check_wire(grad_wire_dtype)
+        self._wire = {"F": wire_dtype, "B": grad_wire_dtype}
         self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
         self.group = group
         ranks = dist.get_world_size(group) if self.distributed else None
@@ -174,12 +188,13 @@ class Pipe(nn.Module):
             if self._dist_transport is None:  # kept: it learns buffer sizes across steps
                 lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
                 self._dist_transport = DistTransport(
-                    self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes
+                    self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
+                    self._wire,
                 )
             return self._dist_transport
         # Local lanes: 0..ranks-1 run each rank's loop, ranks.. its sends.
         lanes = CommLanes(self._ring, self.schedule.ranks + rank) if self.overlap else None
-        return LocalTransport(mailbox, rank, self.devices, self.timeout, lanes)
+        return LocalTransport(mailbox, rank, self.devices, self.timeout, lanes, self._wire)
 
     # --- running -----------------------------------------------------------------
 

@@ -19,27 +19,67 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     results = []
+    counts = _count_p2p()
     try:
         for case in cases:
+            if case.get("train"):
+                results.append(_train(case))
+                continue
             model = getattr(models, case["model"])()
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
                         timeout=60, overlap=case.get("overlap", True),
-                        checkpoint=case.get("checkpoint", "never"))
-            losses, outs, rings = [], [], []
+                        checkpoint=case.get("checkpoint", "never"),
+                        wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"))
+            losses, outs, rings, p2p = [], [], [], []
             for x, y in case["batches"]:
+                counts.clear()
                 losses.append(pipe.step(x, y, nn.functional.mse_loss))
+                p2p.append(dict(counts))
                 rings.append(_ring_stats(pipe))
                 with torch.no_grad():
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings})
+            results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p})
         torch.save({"ok": results}, out_path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out_path)
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _count_p2p() -> dict:
+    """Counts isend/irecv calls by kind from here on (the worker's own process)."""
+    counts: dict = {}
+    for name in ("isend", "irecv"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return counts
+
+
+def _train(case: dict) -> dict:
+    """Adam on the demo model for case["steps"] steps; returns the losses."""
+    from fastpipe import Pipe
+    from fastpipe._demo import _data, _model
+
+    torch.manual_seed(0)
+    model = _model()
+    pipe = Pipe(model, chunks=4, schedule=case["schedule"], timeout=60,
+                wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(case["steps"]):
+        x, y = _data(step, case["batch"])
+        opt.zero_grad()
+        losses.append(pipe.step(x, y, nn.functional.mse_loss).item())
+        opt.step()
+    return {"losses": losses}
 
 
 def _ring_stats(pipe) -> dict:

@@ -57,3 +57,24 @@ def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
 def mlp_deep(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
     """Enough layers for 4 ranks × 2 stages."""
     return mlp(depth=10, dtype=dtype, seed=seed)
+
+
+class FiveOut(nn.Module):
+    """Five tensors (float, float, bool, float, int) and three plain values cross the boundary."""
+
+    def forward(self, x):
+        return (x, x * 2, x > 0, x.sum(-1, keepdim=True), (x > 0).sum(-1), 3, "scale", None)
+
+
+class FiveIn(nn.Module):
+    def forward(self, value):
+        h, h2, mask, s, idx, k, name, nothing = value
+        if (k, name, nothing) != (3, "scale", None):
+            raise AssertionError(f"plain values did not survive: {(k, name, nothing)!r}")
+        return torch.where(mask, h, h2) + s * k + idx[:, None].to(h.dtype)
+
+
+def five_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """Use balance=[2, 3]: the boundary carries FiveOut's value."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), FiveOut(), FiveIn(), nn.Linear(8, 8), nn.Linear(8, 3)).to(dtype)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+from fastpipe._microbatch import TENSOR, needs_grad
 from fastpipe.runtime._backward import backward_full, backward_input, backward_weight
 from tests.models import mlp, tuple_model
 
@@ -62,8 +64,10 @@ def test_weight_shared_inside_a_stage_counts_both_uses():
         torch.testing.assert_close(p.grad, e)
 
 
-def test_packed_message_round_trip_keeps_dtypes_shapes_and_grad_flags():
-    from fastpipe.runtime.transport import decode_header, encode_header, pack, unpack
+@pytest.mark.parametrize("spec", [True, (3, "x", TENSOR, None, TENSOR, TENSOR, TENSOR, TENSOR)])
+def test_packed_message_round_trip_keeps_dtypes_shapes_grad_flags_and_values(spec):
+    from fastpipe.runtime.packing import Layout, pack_into
+    from fastpipe.runtime.transport import encode_head, read_head, received, write_head, _prefixed
 
     tensors = [
         torch.randn(3, 5, requires_grad=True),
@@ -72,20 +76,21 @@ def test_packed_message_round_trip_keeps_dtypes_shapes_and_grad_flags():
         torch.empty(0, 4, dtype=torch.float16),
         torch.randn(6, 4).t(),  # non-contiguous
     ]
-    words = encode_header(tensors, is_tuple=True)
-    buf = pack(tensors, words)
-    nbytes, oversize, is_tuple, specs = decode_header(
-        buf[:512].view(torch.int64).tolist()
-    )
-    assert (nbytes, oversize, is_tuple) == (words[0], False, True)
-    out = unpack(buf, specs)
+    layout = Layout.plan(tensors)
+    head = encode_head(layout, spec, [needs_grad(t) for t in tensors])
+    start = _prefixed(head)
+    buf = torch.empty(start + layout.nbytes, dtype=torch.uint8)
+    write_head(buf, head)
+    pack_into(buf[start:], tensors, layout)
+    # The receiver may post a larger buffer than the message: trailing bytes are ignored.
+    bigger = torch.cat([buf, torch.zeros(64, dtype=torch.uint8)])
+    got_start, flags, got_layout, got_spec, grads = read_head(bigger)
+    assert (got_start, flags, got_layout, got_spec) == (start, 0, layout, spec)
+    out = received(bigger, start, got_layout, grads)
     for a, b in zip(tensors, out):
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.detach(), b)
         assert b.requires_grad == (a.requires_grad and a.is_floating_point())
-    # The receiver may post a larger buffer than the message: trailing bytes are ignored.
-    bigger = torch.cat([buf, torch.zeros(64, dtype=torch.uint8)])
-    assert all(torch.equal(a, b) for a, b in zip(out, unpack(bigger, specs)))
 
 
 class _CopyTransport:

@@ -68,9 +68,9 @@ def _batches(model: str, steps: int, rows: int = 10):
     return out
 
 
-def _case(schedule, model="mlp", chunks=4, balance=None, steps=1, overlap=True, checkpoint="never"):
+def _case(schedule, model="mlp", chunks=4, balance=None, steps=1, **options):
     return {"schedule": schedule, "model": model, "chunks": chunks, "balance": balance,
-            "batches": _batches(model, steps), "overlap": overlap, "checkpoint": checkpoint}
+            "batches": _batches(model, steps), **options}
 
 
 def _verify(cases: list[dict], results: list[list[dict]]) -> None:
@@ -110,6 +110,8 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("zbv", checkpoint="except_last"),
         _case("1f1b", model="tuple_model", checkpoint="always"),
         _case("dualpipev", model="embedding_model", steps=2, checkpoint="always"),
+        _case("1f1b", model="five_model", balance=[2, 3], steps=2),
+        _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2),
     ]
     _verify(cases, _spawn(2, cases, tmp_path))
 
@@ -141,3 +143,36 @@ def test_inline_transfers_and_steady_state_buffers(tmp_path):
 def test_four_ranks_subset(tmp_path):
     cases = [_case(s, model="mlp_deep", chunks=8) for s in ("1f1b", "interleaved-1f1b", "zb-h2", "zbv")]
     _verify(cases, _spawn(4, cases, tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_one_p2p_operation_per_boundary_and_direction(tmp_path):
+    """A stage that outputs five tensors and three plain values: one message each way.
+
+    From the second step on (sizes known) every microbatch crosses the
+    boundary as exactly one isend and one irecv per direction.
+    """
+    cases = [_case(s, model="five_model", balance=b, steps=3)
+             for s, b in (("1f1b", [2, 3]), ("gpipe", [2, 3]))]
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for rank_results in results:
+        for case, got in zip(cases, rank_results):
+            for step in (1, 2):
+                assert got["p2p"][step] == {"isend": case["chunks"], "irecv": case["chunks"]}, got["p2p"]
+
+
+@pytest.mark.timeout(300)
+def test_bf16_wire_trains_like_fp32(tmp_path):
+    """100 Adam steps of the demo model: the bf16-wire loss curve stays within
+    10 % (relative) of the fp32 one at every step after the first 10, and ends
+    within 5 %."""
+    base = {"train": True, "schedule": "1f1b", "steps": 100, "batch": 64}
+    cases = [dict(base), dict(base, wire=torch.bfloat16, grad_wire=torch.bfloat16)]
+    results = _spawn(2, cases, tmp_path)
+    fp32, bf16 = (torch.tensor(r["losses"]) for r in results[0])
+    assert fp32[-1] < 0.5 * fp32[0]  # it trains
+    rel = (bf16 - fp32).abs() / fp32
+    assert rel[10:].max() < 0.10, rel
+    assert rel[-1] < 0.05, rel[-1]
+    assert not torch.equal(fp32, bf16)  # the wire dtype was used

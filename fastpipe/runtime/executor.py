@@ -67,7 +67,7 @@ class _Saved:
     leaves: list[torch.Tensor]
     grads: list[torch.Tensor | None] | None = None  # set once received
     rng: RngState | None = None  # checkpointed: roots come from a recomputation
-    is_tuple: bool = False
+    spec: Any = False  # structure of the stage input (see _microbatch.Spec)
 
 
 class RankExecutor:
@@ -228,49 +228,48 @@ class RankExecutor:
     def _deliver(self, key: tuple[str, int, int], dst_stage: int, payload) -> None:
         """Hands a value to another stage: in memory if it is ours, else queued for SEND."""
         if dst_stage in self.stages:
-            tensors, is_tuple = payload
-            self._local[key] = ([t.detach().requires_grad_(needs_grad(t)) for t in tensors], is_tuple)
+            tensors, spec = payload
+            self._local[key] = ([t.detach().requires_grad_(needs_grad(t)) for t in tensors], spec)
         else:
             self._outbox[key] = payload
 
     def _send_f(self, a: Action) -> None:
         key = ("F", a.stage + 1, a.microbatch)
-        tensors, is_tuple = self._outbox.pop(key)
-        self.transport.send(tensors, is_tuple, self._owner(a.stage + 1), key)
+        tensors, spec = self._outbox.pop(key)
+        self.transport.send(tensors, spec, self._owner(a.stage + 1), key)
 
     def _send_b(self, a: Action) -> None:
         key = ("B", a.stage - 1, a.microbatch)
-        tensors, is_tuple = self._outbox.pop(key)
-        self.transport.send(tensors, is_tuple, self._owner(a.stage - 1), key)
+        tensors, spec = self._outbox.pop(key)
+        self.transport.send(tensors, spec, self._owner(a.stage - 1), key)
 
     # --- compute verbs -----------------------------------------------------------
 
     def _forward(self, a: Action) -> None:
         stage, mb = self.stages[a.stage], a.microbatch
         if a.stage == 0:
-            value = self._inputs[mb]
-            leaves = [t.to(stage.device) for t in flatten(value)[0]]
-            is_tuple = isinstance(value, tuple)
+            tensors, spec = flatten(self._inputs[mb])
+            leaves = [t.to(stage.device) for t in tensors]
         else:
-            received, is_tuple = self._take(("F", a.stage, mb), a.stage - 1)
+            received, spec = self._take(("F", a.stage, mb), a.stage - 1)
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
         ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
         with guarded(self.rng_lock if stage.stochastic else None):
             rng = RngState.capture(stage.device) if ckpt else None
             with forgetful() if ckpt else nullcontext():
-                out = stage.module(unflatten(leaves, is_tuple))
+                out = stage.module(unflatten(leaves, spec))
                 loss = self._loss(mb, out) if last and self._train else None
         if last:
-            self._finish_forward(mb, out, loss, leaves, rng, is_tuple)
+            self._finish_forward(mb, out, loss, leaves, rng, spec)
             return
-        tensors, out_tuple = flatten(out)
-        self._deliver(("F", a.stage + 1, mb), a.stage + 1, (tensors, out_tuple))
+        tensors, out_spec = flatten(out)
+        self._deliver(("F", a.stage + 1, mb), a.stage + 1, (tensors, out_spec))
         if self._train:
             # Keep graph edges, not the output tensors: once sent, an output's
             # memory is freed unless autograd itself saved it for backward.
             roots = [] if ckpt else [get_gradient_edge(t) for t in tensors if needs_grad(t)]
-            self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, is_tuple=is_tuple)
+            self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, spec=spec)
 
     def _loss(self, mb: int, out: Value) -> torch.Tensor:
         """The scaled loss of one microbatch (its mean over microbatches)."""
@@ -283,19 +282,19 @@ class RankExecutor:
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
         return loss.reshape(())
 
-    def _finish_forward(self, mb, out, loss, leaves, rng, is_tuple) -> None:
+    def _finish_forward(self, mb, out, loss, leaves, rng, spec) -> None:
         if not self._train:
             self._results[mb] = out
             return
         self._results[mb] = loss.detach()
         roots = [] if rng is not None else [loss / self.schedule.microbatches]
-        self._saved[(self.schedule.stages - 1, mb)] = _Saved(roots, leaves, [None], rng, is_tuple)
+        self._saved[(self.schedule.stages - 1, mb)] = _Saved(roots, leaves, [None], rng, spec)
 
     def _recompute(self, stage_index: int, mb: int, saved: _Saved) -> None:
         """A checkpointed microbatch: its forward again, now keeping the graph."""
         stage = self.stages[stage_index]
         with recompute(saved.rng, self.rng_lock if stage.stochastic else None):
-            out = stage.module(unflatten(saved.leaves, saved.is_tuple))
+            out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
                 saved.roots = [self._loss(mb, out) / self.schedule.microbatches]
             else:

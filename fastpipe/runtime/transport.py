@@ -3,10 +3,10 @@
 Both transports take the same verbs, so the executor has one code path:
 
     begin(actions)                      a step over this rank's action list starts
-    send(tensors, is_tuple, dst, key)   non-blocking; the tensors must not be
+    send(tensors, spec, dst, key)   non-blocking; the tensors must not be
                                         modified afterwards
     recv(src, key) -> Pending           posts the receive; Pending.wait()
-                                        returns (tensors, is_tuple) and
+                                        returns (tensors, spec) and
                                         Pending.release() hands its buffer back
                                         once the stage no longer needs it
     finish()                            waits for outstanding sends
@@ -33,21 +33,25 @@ independent of the order in which two ranks issue their operations.
 
 from __future__ import annotations
 
+import pickle
+import struct
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from fastpipe._microbatch import needs_grad
+from fastpipe._microbatch import Spec, needs_grad
 from fastpipe.runtime.buffers import BufferRing, Stream, receive_slots
+from fastpipe.runtime.packing import Layout, aligned, pack_into, unpack, wire_roundtrip
 from fastpipe.schedules import Action
 
 Key = tuple[str, int, int]
-Payload = tuple[list[torch.Tensor], bool]
+Payload = tuple[list[torch.Tensor], Any]  # (tensors, spec)
 
 
 @dataclass(frozen=True)
@@ -136,27 +140,29 @@ class LocalTransport:
         devices: Sequence[torch.device],
         timeout: float,
         lanes: CommLanes | None = None,
+        wire: dict | None = None,
     ):
         self.mailbox, self.rank, self.devices, self.timeout = mailbox, rank, devices, timeout
         self.lanes = lanes
+        self.wire = wire or {}  # direction -> wire dtype: the same rounding as over a network
         self._sends: list = []
 
     def begin(self, actions: Sequence[Action]) -> None:
         self._sends = []
 
-    def send(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
+    def send(self, tensors: list[torch.Tensor], spec: bool, dst: int, key: Key) -> None:
         if self.lanes is None:
-            self._deliver(tensors, is_tuple, dst, key)
+            self._deliver(tensors, spec, dst, key)
             return
-        job = lambda: self._deliver(tensors, is_tuple, dst, key)  # noqa: E731
+        job = lambda: self._deliver(tensors, spec, dst, key)  # noqa: E731
         self._sends.append(self.lanes.ring.submit(self.lanes.send, job))
 
-    def _deliver(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
+    def _deliver(self, tensors: list[torch.Tensor], spec: bool, dst: int, key: Key) -> None:
         try:
-            device = self.devices[dst]
+            device, wire = self.devices[dst], self.wire.get(key[0])
             # Blocking copies: the consumer runs on another thread, with no stream sync.
-            moved = [_mark(t.detach().to(device), t) for t in tensors]
-            self.mailbox.put(key, (moved, is_tuple))
+            moved = [_mark(wire_roundtrip(t.detach(), wire).to(device), t) for t in tensors]
+            self.mailbox.put(key, (moved, spec))
         except BaseException as exc:
             self.mailbox.fail(self.rank, exc)  # the receiver must not wait for it
             raise
@@ -181,83 +187,66 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 
 # --- torch.distributed -------------------------------------------------------
 #
-# One message per transfer: a flat byte buffer, a 64-word header in front
-# (sizes, dtypes, shapes), then every tensor at a 16-byte aligned offset.
+# One message per transfer: a 16-byte prefix, a head that says what the data
+# is (value structure, gradient flags, the packing Layout), then the data as
+# ``fastpipe.pack`` lays it out (16-byte aligned slots, optional wire dtype):
 #
-#   [ nbytes | oversize | is_tuple | n | (dtype, grad, ndim, *shape)... ][ data ... ]
-#   '------------------------ 512 bytes -------------------------------'
+#   [ head bytes | flags ][ spec kind, grads, Layout, pickled spec ][ data ... ]
+#   '--- 16 bytes -------''------- head (padded to 16) -------------'
 #
 # The receiver posts its buffer before the data exists, so it must guess the
 # size: each stream (direction, stage) has a capacity that both ends derive
-# from the same history (the largest payload of earlier steps), so they agree
+# from the same history (the largest message of earlier steps), so they agree
 # without talking. gloo accepts a message shorter than the posted buffer. A
-# payload over capacity goes as a header-only message on the posted tag (flag
-# set) followed by the full message on the next tag.
+# message over capacity goes as a 16-byte notice [total bytes | OVERSIZE] on
+# the posted tag, followed by the full message on the next tag.
 
-_HEADER = 64
-_HEADER_BYTES = _HEADER * 8
-_ALIGN = 16
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_PREFIX = 16
+_OVERSIZE = 1
+_MIN_POST = 64  # bytes of a receive buffer before any size is known (>= a notice)
+_HEAD = struct.Struct("<BHI")  # spec kind, tensors, pickled-spec bytes
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def encode_head(layout: Layout, spec: Spec, grads: Sequence[bool]) -> bytes:
+    """What a receiver needs to read a packed message (see the comment above)."""
+    kind = 0 if spec is False else 1 if spec is True else 2
+    extra = pickle.dumps(spec) if kind == 2 else b""
+    return _HEAD.pack(kind, len(grads), len(extra)) + bytes(grads) + layout.to_bytes() + extra
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def decode_head(data: bytes) -> tuple[Layout, Spec, list[bool]]:
+    """Inverse of ``encode_head``."""
+    kind, n, extra = _HEAD.unpack_from(data, 0)
+    pos = _HEAD.size
+    grads = [bool(b) for b in data[pos : pos + n]]
+    layout, used = Layout.from_bytes(memoryview(data)[pos + n :])
+    pos += n + used
+    spec = (False, True)[kind] if kind < 2 else pickle.loads(data[pos : pos + extra])
+    return layout, spec, grads
 
 
-def encode_header(tensors: Sequence[torch.Tensor], is_tuple: bool, oversize: bool = False) -> list[int]:
-    """The header words describing a payload (count, dtypes, shapes, total bytes)."""
-    words = [sum(_aligned(_nbytes(t)) for t in tensors), int(oversize), int(is_tuple), len(tensors)]
-    for t in tensors:
-        if t.dtype not in _CODE:
-            raise TypeError(f"cannot send a tensor of dtype {t.dtype} between stages")
-        words += [_CODE[t.dtype], int(needs_grad(t)), t.dim(), *t.shape]
-    if len(words) > _HEADER:
-        raise ValueError(
-            f"stage value too complex to describe: {len(tensors)} tensors need {len(words)} "
-            f"header words, at most {_HEADER}"
-        )
-    return words + [0] * (_HEADER - len(words))
+def _prefixed(head: bytes) -> int:
+    """Bytes of prefix + head, padded so the data starts 16-byte aligned."""
+    return aligned(_PREFIX + len(head))
 
 
-def decode_header(words: list[int]) -> tuple[int, bool, bool, list[tuple[torch.dtype, bool, list[int]]]]:
-    """Inverse of ``encode_header``: (nbytes, oversize, is_tuple, [(dtype, grad, shape)])."""
-    nbytes, oversize, is_tuple, n, pos, specs = words[0], bool(words[1]), bool(words[2]), words[3], 4, []
-    for _ in range(n):
-        dtype, grad, ndim = _DTYPES[words[pos]], bool(words[pos + 1]), words[pos + 2]
-        specs.append((dtype, grad, words[pos + 3 : pos + 3 + ndim]))
-        pos += 3 + ndim
-    return nbytes, oversize, is_tuple, specs
+def write_head(buf: torch.Tensor, head: bytes, flags: int = 0) -> None:
+    start = _prefixed(head)
+    buf[:_PREFIX].view(torch.int64).copy_(torch.tensor([start, flags], dtype=torch.int64))
+    buf[_PREFIX : _PREFIX + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
 
 
-def pack(tensors: Sequence[torch.Tensor], words: list[int], buf: torch.Tensor | None = None) -> torch.Tensor:
-    """One uint8 buffer (``buf``, or a new one): header words, then each tensor at an aligned offset."""
-    if buf is None:
-        buf = torch.empty(_HEADER_BYTES + words[0], dtype=torch.uint8)
-    buf[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(words, dtype=torch.int64))
-    off = _HEADER_BYTES
-    for t in tensors:
-        n = _nbytes(t)
-        buf[off : off + n].view(t.dtype).view(t.shape).copy_(t.detach())
-        off += _aligned(n)
-    return buf
+def read_head(buf: torch.Tensor) -> tuple[int, int, Layout, Spec, list[bool]]:
+    """(data offset, flags, layout, spec, grads) of a received message."""
+    start, flags = buf[:_PREFIX].view(torch.int64).tolist()
+    layout, spec, grads = decode_head(buf[_PREFIX:start].numpy().tobytes())
+    return start, flags, layout, spec, grads
 
 
-def unpack(buf: torch.Tensor, specs) -> list[torch.Tensor]:
-    """Views into ``buf`` (no copy), flagged for autograd as the sender's were."""
-    out, off = [], _HEADER_BYTES
-    for dtype, grad, shape in specs:
-        n = int(torch.Size(shape).numel()) * dtype.itemsize
-        out.append(buf[off : off + n].view(dtype).view(shape).requires_grad_(grad))
-        off += _aligned(n)
-    return out
+def received(buf: torch.Tensor, start: int, layout: Layout, grads: Sequence[bool]) -> list[torch.Tensor]:
+    """The tensors of a message: views into ``buf`` (or cast copies with a wire
+    dtype), flagged for autograd as the sender's were."""
+    return [t.requires_grad_(g) for t, g in zip(unpack(buf[start:], layout), grads)]
 
 
 @dataclass
@@ -280,10 +269,10 @@ class _DistRecv:
 
     def wait(self) -> Payload:
         if self._event is not None:
-            tensors, is_tuple, self._slot = self._event.wait()
+            tensors, spec, self._slot = self._event.wait()
         else:
-            tensors, is_tuple, self._slot = self.transport._complete(self._posted, self.src, self.key)
-        return tensors, is_tuple
+            tensors, spec, self._slot = self.transport._complete(self._posted, self.src, self.key)
+        return tensors, spec
 
     def release(self) -> None:
         """The stage is done with the tensors (views into the slot): free the slot."""
@@ -316,6 +305,7 @@ class DistTransport:
     stages: int
     timeout: float
     lanes: CommLanes | None = None
+    wire: dict = field(default_factory=dict)  # direction ("F"/"B") -> wire dtype or None
     _sends: list = field(default_factory=list)
     _capacity: dict = field(default_factory=dict)
     _seen: dict = field(default_factory=dict)
@@ -356,38 +346,40 @@ class DistTransport:
 
     # --- send: pack into a slot, isend; later wait and free the slot ------------
 
-    def send(self, tensors: list[torch.Tensor], is_tuple: bool, dst: int, key: Key) -> None:
+    def send(self, tensors: list[torch.Tensor], spec: Spec, dst: int, key: Key) -> None:
         if self.lanes is None:
             self._reap()
-            self._sends.append(self._issue(tensors, is_tuple, dst, key))
+            self._sends.append(self._issue(tensors, spec, dst, key))
             return
         ring = self.lanes.ring
-        issued = ring.submit(self.lanes.send, lambda: self._issue(tensors, is_tuple, dst, key))
+        issued = ring.submit(self.lanes.send, lambda: self._issue(tensors, spec, dst, key))
         done = ring.submit(self.lanes.send_done, lambda: self._settle(issued.wait()), [issued])
         self._sends.append(done)
 
-    def _issue(self, tensors, is_tuple, dst, key) -> list:
+    def _issue(self, tensors, spec, dst, key) -> list:
         tag, peer = self.tag(key), self.peer(dst)
-        words = encode_header(tensors, is_tuple)
-        self._note(key, words[0])
-        out = []
-        if words[0] > self._capacity.get(key[:2], 0):
-            notice = list(words)
-            notice[1] = 1  # oversize: the full message follows on the next tag
-            small = torch.tensor(notice, dtype=torch.int64).view(torch.uint8)
-            out.append((dist.isend(small, dst=peer, group=self.group, tag=tag), small, None, -1))
-            buf = pack(tensors, words)  # a one-off size: not worth a slot
-            out.append((dist.isend(buf, dst=peer, group=self.group, tag=tag + 1), buf, None, -1))
-            return out
+        layout = Layout.plan(tensors, self.wire.get(key[0]))
+        head = encode_head(layout, spec, [needs_grad(t) for t in tensors])
+        start = _prefixed(head)
+        total = start + layout.nbytes
+        self._note(key, total)
+        if total > self._capacity.get(key[:2], 0):
+            # Over capacity: announce the size on the posted tag, send on the next.
+            notice = torch.tensor([total, _OVERSIZE], dtype=torch.int64).view(torch.uint8)
+            buf = torch.empty(total, dtype=torch.uint8)  # a one-off size: not worth a slot
+            write_head(buf, head)
+            pack_into(buf[start:], tensors, layout)
+            return [(dist.isend(notice, dst=peer, group=self.group, tag=tag), notice, None, -1),
+                    (dist.isend(buf, dst=peer, group=self.group, tag=tag + 1), buf, None, -1)]
         ring = self._send_rings.get(key[:2])
         if ring is None:
             ring = self._send_rings[key[:2]] = BufferRing(
                 1, torch.device("cpu"), growable=True, timeout=self.timeout
             )
-        slot, buf = ring.get(_HEADER_BYTES + words[0])
-        pack(tensors, words, buf)
-        out.append((dist.isend(buf, dst=peer, group=self.group, tag=tag), buf, ring, slot))
-        return out
+        slot, buf = ring.get(total)
+        write_head(buf, head)
+        pack_into(buf[start:], tensors, layout)
+        return [(dist.isend(buf, dst=peer, group=self.group, tag=tag), buf, ring, slot)]
 
     def _reap(self) -> None:
         """Inline mode: frees the slots of the oldest sends that have completed."""
@@ -414,7 +406,7 @@ class DistTransport:
 
     def _post(self, src: int, key: Key) -> _Posted:
         ring = self._rings[key[:2]]
-        slot, buf = ring.get(_HEADER_BYTES + self._capacity.get(key[:2], 0))
+        slot, buf = ring.get(max(self._capacity.get(key[:2], 0), _MIN_POST))
         try:
             work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
         except BaseException:
@@ -423,32 +415,33 @@ class DistTransport:
         return _Posted(work, buf, ring, slot)
 
     def _complete(self, posted: _Posted, src: int, key: Key):
-        """Waits for a posted receive; returns (tensors, is_tuple, slot still held or None)."""
+        """Waits for a posted receive; returns (tensors, spec, slot still held or None)."""
         what = f"{_describe(key)} from rank {src}"
         held: tuple[BufferRing, int] | None = (posted.ring, posted.slot)
         try:
             self._wait(posted.work, what)
-            words = posted.buf[:_HEADER_BYTES].view(torch.int64).tolist()
-            nbytes, oversize, is_tuple, specs = decode_header(words)
             buf = posted.buf
-            if oversize:
-                posted.ring.put(posted.slot)  # it held only the notice
+            total, flags = buf[:_PREFIX].view(torch.int64).tolist()
+            if flags & _OVERSIZE:  # a notice: the message follows on the next tag
+                posted.ring.put(posted.slot)
                 held = None
-                buf = torch.empty(_HEADER_BYTES + nbytes, dtype=torch.uint8)
+                buf = torch.empty(total, dtype=torch.uint8)
                 work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key) + 1)
                 self._wait(work, what)
-            self._note(key, nbytes)
-            tensors = unpack(buf, specs)
+            start, _, layout, spec, grads = read_head(buf)
+            self._note(key, start + layout.nbytes)
+            tensors = received(buf, start, layout, grads)
+            copied = self.device.type != "cpu" or all(s.wire is not None for s in layout.slots)
             if self.device.type != "cpu":
                 tensors = [x.detach().to(self.device).requires_grad_(x.requires_grad) for x in tensors]
-                if held is not None:
-                    posted.ring.put(posted.slot)  # the data was copied out
-                    held = None
+            if copied and held is not None:
+                posted.ring.put(posted.slot)  # no view into the slot is left
+                held = None
         except BaseException:
             if held is not None:
                 held[0].put(held[1])
             raise
-        return tensors, is_tuple, held
+        return tensors, spec, held
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

@@ -1,0 +1,311 @@
+"""Send-buffer packing: many tensors in one flat byte buffer, one P2P message.
+
+    pack([a, b, c], wire_dtype=None) -> (flat, layout)
+
+    flat:  [ a ........ | pad | b .... | pad | c ... ]     uint8, slots 16-byte aligned
+    layout: Layout(slots=(Slot(dtype, shape, offset, wire), ...), nbytes)
+
+``unpack(flat, layout)`` returns the tensors: views into ``flat`` (no copy)
+unless a wire dtype was used. With ``wire_dtype`` (bf16, fp16 or
+float8_e4m3fn) floating tensors wider than it travel cast, rounded to
+nearest even, and come back as ``x.to(wire).to(x.dtype)``; integer, bool,
+complex and narrower floating tensors are never cast.
+
+The layout is small, hashable, comparable (a shape change shows as an
+unequal layout) and serializes to a few bytes (``to_bytes``/``from_bytes``):
+it is what a receiver needs to read the buffer.
+
+CUDA tensors are packed by one Triton launch (``fastpipe.kernels.pack``);
+contiguous CPU tensors by one native memcpy pass with the GIL released, the
+rest (non-contiguous, cast) with ``torch._foreach_copy_`` into views.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 16
+WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+)
+_CODE = {d: i for i, d in enumerate(DTYPES)}
+_NO_WIRE = 255
+_HEAD = struct.Struct("<BHQ")  # version, slots, nbytes
+_SLOT = struct.Struct("<BBBQ")  # dtype, wire, ndim, offset
+_VERSION = 1
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives in the buffer, and as what."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    wire: torch.dtype | None = None  # the dtype in the buffer when cast
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * (self.wire or self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Slots of a packed buffer and its total size in bytes."""
+
+    slots: tuple[Slot, ...]
+    nbytes: int
+
+    @classmethod
+    def plan(cls, tensors: Sequence[torch.Tensor], wire_dtype: torch.dtype | None = None) -> Layout:
+        """The layout ``pack`` would use for these tensors (no data touched).
+
+        Layouts are cached by (dtypes, shapes, wire dtype): a pipeline sends
+        the same few layouts over and over.
+
+        Raises:
+            TypeError: an element is not a tensor, or its dtype cannot travel.
+            ValueError: ``wire_dtype`` is not one of ``WIRE_DTYPES``.
+        """
+        try:
+            key = (wire_dtype, *[(t.dtype, t.shape) for t in tensors])
+        except AttributeError:
+            key = None  # not all tensors: _plan names the culprit
+        layout = _PLANS.get(key) if key is not None else None
+        if layout is None:
+            layout = cls._plan(tensors, wire_dtype)
+            if len(_PLANS) >= _PLANS_MAX:
+                _PLANS.clear()
+            _PLANS[key] = layout
+        return layout
+
+    @classmethod
+    def _plan(cls, tensors: Sequence[torch.Tensor], wire_dtype: torch.dtype | None) -> Layout:
+        check_wire(wire_dtype)
+        slots, offset = [], 0
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"pack needs tensors, got {type(t).__name__} at position {i}")
+            if t.dtype not in _CODE:
+                raise TypeError(f"cannot pack a tensor of dtype {t.dtype} (position {i})")
+            slot = Slot(t.dtype, tuple(t.shape), offset, _wire_for(t.dtype, wire_dtype))
+            slots.append(slot)
+            offset += aligned(slot.nbytes)
+        return cls(tuple(slots), offset)
+
+    def to_bytes(self) -> bytes:
+        parts = [_HEAD.pack(_VERSION, len(self.slots), self.nbytes)]
+        for s in self.slots:
+            wire = _CODE[s.wire] if s.wire is not None else _NO_WIRE
+            parts.append(_SLOT.pack(_CODE[s.dtype], wire, len(s.shape), s.offset))
+            parts.append(struct.pack(f"<{len(s.shape)}q", *s.shape))
+        return b"".join(parts)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> tuple[Layout, int]:
+        """Inverse of ``to_bytes``; returns the layout and the bytes it took."""
+        version, n, nbytes = _HEAD.unpack_from(data, 0)
+        if version != _VERSION:
+            raise ValueError(f"unknown layout version {version}")
+        pos, slots = _HEAD.size, []
+        for _ in range(n):
+            dtype, wire, ndim, offset = _SLOT.unpack_from(data, pos)
+            pos += _SLOT.size
+            shape = struct.unpack_from(f"<{ndim}q", data, pos)
+            pos += 8 * ndim
+            slots.append(Slot(DTYPES[dtype], tuple(shape), offset,
+                              None if wire == _NO_WIRE else DTYPES[wire]))
+        return cls(tuple(slots), nbytes), pos
+
+
+_PLANS: dict = {}
+_PLANS_MAX = 1024
+
+
+def check_wire(wire_dtype: torch.dtype | None) -> None:
+    if wire_dtype is not None and wire_dtype not in WIRE_DTYPES:
+        raise ValueError(
+            f"wire_dtype must be None or one of {[str(d) for d in WIRE_DTYPES]}, got {wire_dtype!r}"
+        )
+
+
+def _wire_for(dtype: torch.dtype, wire: torch.dtype | None) -> torch.dtype | None:
+    """Only floating tensors wider than the wire dtype are cast."""
+    if wire is None or not dtype.is_floating_point or dtype.itemsize <= wire.itemsize:
+        return None
+    return wire
+
+
+def wire_roundtrip(t: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    """What ``t`` becomes after travelling in ``wire_dtype`` (``t`` itself if not cast)."""
+    if _wire_for(t.dtype, wire_dtype) is None:
+        return t
+    return t.to(wire_dtype).to(t.dtype)
+
+
+def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+    stored = slot.wire or slot.dtype
+    return flat[slot.offset : slot.offset + slot.nbytes].view(stored).view(slot.shape)
+
+
+def _views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """Every slot as a view: one ``as_strided`` per slot on a typed view of the
+    buffer (slicing and viewing per slot costs three ops each)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    out = []
+    for s in layout.slots:
+        stored = s.wire or s.dtype
+        base = typed.get(stored)
+        if base is None:
+            base = typed[stored] = flat.view(stored)
+        size = stored.itemsize
+        out.append(base.as_strided(s.shape, _strides(s.shape), base.storage_offset() + s.offset // size))
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _use_triton(flat: torch.Tensor) -> bool:
+    from fastpipe.kernels._dispatch import use_triton
+
+    return use_triton(flat)
+
+
+def _kernel_casts(slot: Slot) -> bool:
+    """Whether the Triton kernel does this slot's cast (fp64 goes through torch)."""
+    return slot.wire is not None and slot.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pack(
+    tensors: Sequence[torch.Tensor],
+    wire_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Layout]:
+    """Copies ``tensors`` into one contiguous ``uint8`` buffer.
+
+    Args:
+        tensors: any tensors (mixed dtypes, non-contiguous, zero-size, any
+            rank), all on one device.
+        wire_dtype: cast floating tensors wider than this to it on the way in.
+        out: a ``uint8`` buffer of at least ``layout.nbytes`` bytes to pack
+            into (a buffer-ring slot); a new one by default.
+
+    Returns:
+        ``(flat, layout)``; ``flat`` has exactly ``layout.nbytes`` bytes.
+
+    Raises:
+        TypeError / ValueError: bad tensors, wire dtype or ``out``.
+
+    Example:
+        >>> flat, layout = pack([torch.ones(3), torch.arange(4)])
+        >>> [t.tolist() for t in unpack(flat, layout)]
+        [[1.0, 1.0, 1.0], [0, 1, 2, 3]]
+    """
+    layout = Layout.plan(tensors, wire_dtype)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if any(t.device != device for t in tensors):
+        raise ValueError(f"pack needs tensors on one device, got {sorted({str(t.device) for t in tensors})}")
+    if out is None:
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    else:
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.nbytes:
+            raise ValueError(
+                f"out must be a 1-D uint8 tensor of at least {layout.nbytes} bytes, got "
+                f"{out.dtype} of shape {tuple(out.shape)}"
+            )
+        flat = out[: layout.nbytes]
+    pack_into(flat, tensors, layout)
+    return flat, layout
+
+
+def pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layout) -> None:
+    """Copies ``tensors`` into ``flat`` at the slots of ``layout`` (from ``Layout.plan``)."""
+    if _use_triton(flat):
+        from fastpipe.kernels.pack import pack_triton
+
+        srcs, dests, casts = [], [], []
+        for t, slot in zip(tensors, layout.slots):
+            if slot.wire is not None and not _kernel_casts(slot):
+                _view(flat, slot).copy_(t.detach())
+                continue
+            srcs.append(t.detach().contiguous())
+            dests.append(flat.data_ptr() + slot.offset)
+            casts.append(slot.wire is not None)
+        wires = {s.wire for s in layout.slots if s.wire is not None}
+        pack_triton(srcs, dests, casts, wires.pop() if wires else None, flat.device)
+        return
+    from fastpipe._ext import native
+
+    # Contiguous, uncast CPU tensors: one native memcpy pass (GIL released).
+    # The rest through torch: copy_ casts with round-to-nearest-even like .to().
+    srcs, offsets, sizes, rest = [], [], [], []
+    for t, s in zip(tensors, layout.slots):
+        if not s.numel:
+            continue
+        if s.wire is None and t.device.type == "cpu" and t.is_contiguous():
+            srcs.append(t.data_ptr())
+            offsets.append(s.offset)
+            sizes.append(s.nbytes)
+        else:
+            rest.append((_view(flat, s), t.detach()))
+    if srcs:
+        native()._copy_regions(flat.data_ptr(), srcs, offsets, sizes)
+    if rest:
+        torch._foreach_copy_([d for d, _ in rest], [t for _, t in rest])
+
+
+def unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """The tensors of a packed buffer: views into ``flat`` where no wire dtype was
+    used, fresh tensors of the original dtype where one was.
+
+    Raises:
+        ValueError: ``flat`` is smaller than the layout.
+    """
+    if flat.dtype != torch.uint8 or flat.numel() < layout.nbytes:
+        raise ValueError(
+            f"flat must be a uint8 tensor of at least {layout.nbytes} bytes, got {flat.dtype} "
+            f"with {flat.numel()} elements"
+        )
+    out = _views(flat, layout)
+    cast = [i for i, s in enumerate(layout.slots) if s.wire is not None]
+    if not cast:
+        return out
+    if _use_triton(flat):
+        from fastpipe.kernels.pack import unpack_triton
+
+        by_kernel = [i for i in cast if _kernel_casts(layout.slots[i])]
+        dests = [torch.empty(layout.slots[i].shape, dtype=layout.slots[i].dtype, device=flat.device)
+                 for i in by_kernel]
+        srcs = [flat.data_ptr() + layout.slots[i].offset for i in by_kernel]
+        if by_kernel:
+            unpack_triton(srcs, dests, layout.slots[by_kernel[0]].wire, flat.device)
+        for i, d in zip(by_kernel, dests):
+            out[i] = d
+        for i in set(cast) - set(by_kernel):
+            out[i] = out[i].to(layout.slots[i].dtype)
+        return out
+    for i in cast:
+        out[i] = out[i].to(layout.slots[i].dtype)
+    return out
