@@ -2,10 +2,10 @@
 
 import sys
 
-from bench import iw_split, packing, pipelining, recompute
+from bench import iw_split, packing, pipelining, plan, recompute
 
 BENCHES = {"pipelining": pipelining.main, "iw_split": iw_split.main, "recompute": recompute.main,
-           "packing": packing.main}
+           "packing": packing.main, "plan": plan.main}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -21,7 +21,7 @@ from torch import nn
 
 from bench._runner import median_time
 from fastpipe.kernels import selective_recompute
-from fastpipe.kernels._memory import saved_activation_bytes
+from fastpipe.runtime.memory import saved_activation_bytes
 
 
 class Residual(nn.Module):

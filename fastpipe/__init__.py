@@ -15,8 +15,8 @@ from typing import Any
 from fastpipe._version import __version__
 
 __all__ = [
-    "Layout", "Pipe", "__version__", "balance", "is_recomputing", "kernels", "pack", "schedules",
-    "selective_recompute", "unpack",
+    "Layout", "Pipe", "Plan", "__version__", "balance", "is_recomputing", "kernels", "pack",
+    "plan", "schedules", "selective_recompute", "unpack",
 ]
 
 _LAZY = {
@@ -26,6 +26,8 @@ _LAZY = {
     "pack": "fastpipe.runtime.packing",
     "unpack": "fastpipe.runtime.packing",
     "Layout": "fastpipe.runtime.packing",
+    "plan": "fastpipe._plan",
+    "Plan": "fastpipe._plan",
 }
 
 

@@ -1,4 +1,4 @@
-"""The ``fastpipe`` command line: ``demo`` and ``simulate``.
+"""The ``fastpipe`` command line: ``demo``, ``simulate`` and ``plan``.
 
 The CLI prints; the library logs. Each subcommand lives in a small function
 that builds its parser and one that runs it.
@@ -20,7 +20,71 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: compare schedules and run a pipeline")
     demo.set_defaults(run=_run_demo)
     _add_simulate_parser(sub)
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="profile a model and rank schedule x chunks x balance plans",
+        description="Profile MODULE:FACTORY's layers and print the best pipeline plans.",
+    )
+    plan.add_argument("--model", required=True,
+                      help="MODULE:FACTORY; FACTORY() returns an nn.Sequential, or (model, sample)")
+    plan.add_argument("--ranks", type=_positive_int, default=2, help="pipeline ranks (2)")
+    plan.add_argument("--input-shape", type=_parse_shape, default=None,
+                      help="sample batch shape, e.g. 64,512 (random fp32), if FACTORY gives no sample")
+    plan.add_argument("--memory-limit", default=None, help="per rank, e.g. 2GiB or 512MB")
+    plan.add_argument("--param-scale", type=float, default=2.0,
+                      help="parameter copies per rank (2: param + grad; 4 with Adam)")
+    plan.add_argument("--top", type=_positive_int, default=10, help="rows to print (10)")
+    plan.set_defaults(run=_run_plan, parser=plan)
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(n < 1 for n in shape):
+        raise argparse.ArgumentTypeError(f"expected a shape like 64,512, got {text!r}")
+    return shape
+
+
+def _load_factory(spec: str):
+    import importlib
+
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"--model must look like MODULE:FACTORY, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {spec!r}: {exc}") from exc
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from fastpipe._plan import parse_bytes, plan
+
+    try:
+        made = _load_factory(args.model)()
+        model, sample = made if isinstance(made, tuple) else (made, None)
+        if sample is None:
+            if args.input_shape is None:
+                raise ValueError(f"{args.model} returns no sample: pass --input-shape")
+            dtype = next((p.dtype for p in model.parameters()), torch.float32)
+            sample = torch.randn(args.input_shape, dtype=dtype)
+        result = plan(model, sample, args.ranks, parse_bytes(args.memory_limit),
+                      param_scale=args.param_scale)
+    except ValueError as exc:
+        args.parser.error(str(exc))
+    print(f"plans for {args.model} on {args.ranks} ranks, batch {tuple(sample.shape)}, "
+          f"profiled on cpu (predicted step times from the simulator):")
+    result.explain(args.top)
+    return 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:

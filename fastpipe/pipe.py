@@ -89,6 +89,13 @@ class Pipe(nn.Module):
             exact values.
         grad_wire_dtype: the same for the gradients sent back (kept separate:
             gradients are more sensitive to rounding).
+        plan: a ``fastpipe.plan(...)`` result: its chunks, schedule, balance,
+            stages_per_rank and checkpoint mode are used (an explicit,
+            non-default value that disagrees with the plan is an error).
+
+    ``balance="auto"`` balances measured layer times (``balance_by_time``) on
+    the first microbatch of the first ``step``: the model is split then, on
+    the rank holding the input in distributed mode, and shared with the others.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -101,7 +108,7 @@ class Pipe(nn.Module):
         model: nn.Sequential,
         chunks: int = 8,
         schedule: str | Schedule = "1f1b",
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         devices: Sequence[DeviceLike] | None = None,
         stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None,
@@ -111,9 +118,14 @@ class Pipe(nn.Module):
         recompute: str = "none",
         wire_dtype: torch.dtype | None = None,
         grad_wire_dtype: torch.dtype | None = None,
+        plan=None,
     ) -> None:
         super().__init__()
         _check_model(model)
+        if plan is not None:
+            chunks, schedule, balance, stages_per_rank, checkpoint = _from_plan(
+                plan, chunks, schedule, balance, stages_per_rank, checkpoint
+            )
         _check_chunks(chunks)
         self.module = model
         self.chunks = chunks
@@ -138,18 +150,64 @@ class Pipe(nn.Module):
         self.devices = _resolve_devices(devices, ranks, self.distributed, group)
         ranks = len(self.devices) if ranks is None else ranks
         self.schedule = _resolve_schedule(schedule, ranks, chunks, stages_per_rank)
-        self.balance = _resolve_balance(balance, model, self.schedule.stages)
-        _check_no_shared_params(model, self.balance)
         self.rank = dist.get_rank(group) if self.distributed else None
         self._lowered = lower(self.schedule)
         self._forward_only = lower(_forward_schedule(self.schedule))
-        self._stages = self._build_stages()
+        self._memory: dict[int, int] = {}  # rank -> peak saved-activation bytes of the last step
+        if isinstance(balance, str):
+            if balance != "auto":
+                raise ValueError(f"balance must be a list of ints, None or 'auto', got {balance!r}")
+            _resolve_balance(None, model, self.schedule.stages)  # enough layers?
+            self.balance, self._stages = None, None  # split at the first step
+        else:
+            self.balance = _resolve_balance(balance, model, self.schedule.stages)
+            _check_no_shared_params(model, self.balance)
+            self._stages = self._build_stages()
         self._ring = None
         self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
 
     # --- set-up ----------------------------------------------------------------
+
+    def _split_by_time(self, x: Any) -> None:
+        """balance="auto": profile on the first microbatch, then build the stages."""
+        from fastpipe.balance import balance_by_time
+
+        balance = None
+        holder = self._owner(0)
+        if not self.distributed or self.rank == holder:
+            balance = balance_by_time(self.schedule.stages, self.module, x, self.chunks,
+                                      self.devices[holder])
+        if self.distributed:
+            box = [balance]
+            src = dist.get_global_rank(self.group, holder) if self.group is not None else holder
+            dist.broadcast_object_list(box, src=src, group=self.group)
+            balance = box[0]
+        self.balance = _resolve_balance(balance, self.module, self.schedule.stages)
+        _check_no_shared_params(self.module, self.balance)
+        self._stages = self._build_stages()
+        log.info("pipe: balance by time %s", self.balance)
+
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        """Bytes per pipeline rank held by this process, as the executor accounts them.
+
+        Returns:
+            ``{rank: {"params", "grads", "activations_peak", "peak"}}``:
+            parameter and current gradient bytes of the rank's stages, the
+            most saved-activation bytes alive at once during the last step
+            (autograd's saved tensors, parameters excluded, counted as they
+            are saved and freed microbatch by microbatch), and their sum.
+        """
+        out = {}
+        for rank in self._local_ranks():
+            params = [p for st in (self._stages or {}).get(rank, {}).values() for p in st.module.parameters()]
+            p_bytes = sum(p.numel() * p.element_size() for p in params)
+            g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+            act = self._memory.get(rank, 0)
+            out[rank] = {"params": p_bytes, "grads": g_bytes, "activations_peak": act,
+                         "peak": p_bytes + g_bytes + act}
+        return out
 
     def _local_ranks(self) -> list[int]:
         return list(range(self.schedule.ranks)) if not self.distributed else [self.rank]
@@ -212,6 +270,8 @@ class Pipe(nn.Module):
             raise RuntimeError("Pipe.step needs autograd; it was called inside torch.no_grad()")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if self._stages is None:
+            self._split_by_time(x)
         inputs, targets = self._split_inputs(x, target)
         results = self._run(self._lowered, inputs, targets, loss_fn, train=True)
         return self._mean_loss(results)
@@ -245,6 +305,8 @@ class Pipe(nn.Module):
             The output (concatenated along dim 0) on the rank of the last stage;
             ``None`` on other ranks in distributed mode.
         """
+        if self._stages is None:
+            self._split_by_time(x)
         inputs, _ = self._split_inputs(x, None)
         results = self._run(self._forward_only, inputs, None, None, train=False)
         if not results:
@@ -275,7 +337,11 @@ class Pipe(nn.Module):
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording
-            return executor.run(inputs, targets, loss_fn, train)
+            try:
+                return executor.run(inputs, targets, loss_fn, train)
+            finally:
+                if train:
+                    self._memory[self.rank] = executor.peak_activation_bytes
         return self._run_local(schedule, inputs, targets, loss_fn, train)
 
     def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
@@ -295,6 +361,8 @@ class Pipe(nn.Module):
             try:
                 return executor.run(inputs, targets, loss_fn, train)  # fails the mailbox on error
             finally:
+                if train:
+                    self._memory[rank] = executor.peak_activation_bytes
                 if executor.records is not None:
                     self._recording.extend(executor.records)  # list.extend is atomic
 
@@ -358,6 +426,22 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"Pipe needs an nn.Sequential, got {type(model).__name__}")
     if len(model) == 0:
         raise ValueError("Pipe needs an nn.Sequential with at least one layer, got an empty one")
+
+
+def _from_plan(plan, chunks, schedule, balance, stages_per_rank, checkpoint):
+    """The plan's arguments; explicit non-default ones must agree with it."""
+    from fastpipe._plan import Plan
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a fastpipe.Plan (from fastpipe.plan(...)), got {type(plan).__name__}")
+    chosen = plan.pipe_kwargs()
+    given = {"chunks": (chunks, 8), "schedule": (schedule, "1f1b"), "balance": (balance, None),
+             "stages_per_rank": (stages_per_rank, None), "checkpoint": (checkpoint, "never")}
+    for name, (value, default) in given.items():
+        if value != default and value != chosen[name]:
+            raise ValueError(f"{name}={value!r} disagrees with the plan's {name}={chosen[name]!r}")
+    return (chosen["chunks"], chosen["schedule"], chosen["balance"], chosen["stages_per_rank"],
+            chosen["checkpoint"])
 
 
 def _check_timeout(timeout: Any) -> float:

@@ -13,7 +13,7 @@ from bench.recompute import mlp_block, pre_ln_mlp
 from fastpipe.kernels import (
     ActLinear, GeGLU, LayerNorm, RMSNorm, SeededDropout, SwiGLU, backend, selective_recompute,
 )
-from fastpipe.kernels._memory import saved_activation_bytes
+from fastpipe.runtime.memory import saved_activation_bytes
 from fastpipe.kernels._triton import store
 from fastpipe.kernels.activation import (
     ACTIVATIONS, act_backward_torch, act_backward_triton, act_forward_torch, act_forward_triton,

@@ -36,6 +36,7 @@ from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.checkpoint import RngState, checkpointed, forgetful, guarded, recompute, stochastic
+from fastpipe.runtime.memory import SavedBytes
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -111,6 +112,11 @@ class RankExecutor:
         }
         # After the action at index i, hand back the buffers of this (stage, mb).
         self._release_at = {i: key for key, i in last_use(self.actions).items()}
+        # Saved-activation bytes of each (stage, mb) alive, and the step's peak.
+        self._saved_bytes = SavedBytes(p for st in stages.values() for p in st.module.parameters())
+        self._activations: dict[tuple[int, int], int] = {}
+        self.live_activation_bytes = 0
+        self.peak_activation_bytes = 0
 
     # --- the loop -------------------------------------------------------------
 
@@ -177,6 +183,14 @@ class RankExecutor:
     def _release(self, key: tuple[int, int]) -> None:
         for pending in self._held.pop(key, ()):
             pending.release()
+        self.live_activation_bytes -= self._activations.pop(key, 0)
+
+    def _count(self, key: tuple[int, int], start: int) -> None:
+        """Books the bytes autograd saved since ``start`` to ``key``."""
+        added = self._saved_bytes.total - start
+        self._activations[key] = self._activations.get(key, 0) + added
+        self.live_activation_bytes += added
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
 
     def _timed(self, a: Action, origin: float) -> None:
         """Runs one action and records it; a wait for data becomes a comm record."""
@@ -255,11 +269,17 @@ class RankExecutor:
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
         ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
+        start = self._saved_bytes.total
         with guarded(self.rng_lock if stage.stochastic else None):
             rng = RngState.capture(stage.device) if ckpt else None
-            with forgetful() if ckpt else nullcontext():
-                out = stage.module(unflatten(leaves, spec))
-                loss = self._loss(mb, out) if last and self._train else None
+            with self._saved_bytes.counting() if self._train else nullcontext():
+                with forgetful() if ckpt else nullcontext():
+                    out = stage.module(unflatten(leaves, spec))
+                    loss = self._loss(mb, out) if last and self._train else None
+        if self._train:
+            if ckpt:  # the kept input is what a checkpointed microbatch holds
+                self._saved_bytes.total += sum(t.numel() * t.element_size() for t in leaves)
+            self._count((a.stage, mb), start)
         if last:
             self._finish_forward(mb, out, loss, leaves, rng, spec)
             return
@@ -293,7 +313,8 @@ class RankExecutor:
     def _recompute(self, stage_index: int, mb: int, saved: _Saved) -> None:
         """A checkpointed microbatch: its forward again, now keeping the graph."""
         stage = self.stages[stage_index]
-        with recompute(saved.rng, self.rng_lock if stage.stochastic else None):
+        start = self._saved_bytes.total
+        with recompute(saved.rng, self.rng_lock if stage.stochastic else None), self._saved_bytes.counting():
             out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
                 saved.roots = [self._loss(mb, out) / self.schedule.microbatches]
@@ -301,6 +322,7 @@ class RankExecutor:
                 tensors, _ = flatten(out)
                 saved.roots = [get_gradient_edge(t) for t in tensors if needs_grad(t)]
         saved.rng = None
+        self._count((stage_index, mb), start)
 
     def _grads_for(self, stage: int, mb: int) -> _Saved:
         saved = self._saved[(stage, mb)]

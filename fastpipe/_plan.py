@@ -1,0 +1,272 @@
+"""``fastpipe.plan``: choose schedule × chunks × balance × checkpointing from measured costs.
+
+    prof ──► for each schedule, chunks, checkpoint mode:
+               balance = exact partition of the per-layer times (with speeds)
+               simulate the schedule with the stage costs  ──► step time, bubble
+               walk each rank's actions                     ──► peak memory
+             ──► fastest candidate whose every rank fits ``memory_limit``
+
+Memory per rank is what the executor accounts for in ``Pipe.memory_stats()``:
+parameters × ``param_scale`` (2: parameter + gradient; 4 with Adam's two
+states) plus the saved activations alive at once, microbatch by microbatch,
+as the rank's action list holds and frees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fastpipe import _microbatch as mbatch
+from fastpipe.balance import Profile, partition, profile
+from fastpipe.runtime.checkpoint import MODES, checkpointed
+from fastpipe.schedules import Action, Kind, Schedule, build, names
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search, with what the simulator and the memory walk predict."""
+
+    schedule: str
+    chunks: int
+    stages_per_rank: int
+    balance: tuple[int, ...]
+    checkpoint: str
+    step_seconds: float
+    bubble_ratio: float
+    memory: tuple[int, ...]  # peak bytes per rank
+
+    def fits(self, limit: int | None) -> bool:
+        return limit is None or max(self.memory) <= limit
+
+
+@dataclass
+class Plan:
+    """The chosen candidate (``best``) and every candidate considered, fastest first."""
+
+    best: Candidate
+    candidates: list[Candidate]
+    memory_limit: int | None = None
+    profile: Profile | None = field(default=None, repr=False)
+
+    def pipe_kwargs(self) -> dict:
+        """Arguments for ``Pipe`` (what ``Pipe(model, plan=...)`` uses)."""
+        b = self.best
+        return {"chunks": b.chunks, "schedule": b.schedule, "balance": list(b.balance),
+                "stages_per_rank": b.stages_per_rank, "checkpoint": b.checkpoint}
+
+    def explain(self, top: int = 10) -> str:
+        """Prints (and returns) the ``top`` candidates as a table."""
+        rows = [f"{'':2}{'schedule':<18}{'chunks':>7}{'ckpt':>12}{'step ms':>10}{'bubble':>8}"
+                f"{'peak per rank':>22}  balance"]
+        for c in self.candidates[:top]:
+            mark = "*" if c == self.best else " " if c.fits(self.memory_limit) else "x"
+            mem = " / ".join(format_bytes(m) for m in c.memory)
+            rows.append(f"{mark:2}{c.schedule:<18}{c.chunks:>7}{c.checkpoint:>12}"
+                        f"{c.step_seconds * 1e3:>10.2f}{c.bubble_ratio:>8.3f}{mem:>22}  {list(c.balance)}")
+        limit = "none" if self.memory_limit is None else format_bytes(self.memory_limit)
+        rows.append(f"  (* chosen, x over the memory limit: {limit}; {len(self.candidates)} candidates)")
+        text = "\n".join(rows)
+        print(text)
+        return text
+
+
+def _chunk_options(batch: int, ranks: int) -> list[int]:
+    options = {c for c in range(1, min(batch, 64) + 1) if batch % c == 0}
+    options |= {2**k for k in range(7) if 2**k <= batch}
+    return sorted(c for c in options if c >= 1)
+
+
+def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]:
+    sums = {"F": [], "B": [], "I": [], "W": [], "act": [], "param": [], "input": []}
+    start = 0
+    for n in balance:
+        layers = prof.layers[start : start + n]
+        sums["F"].append(sum(x.forward for x in layers))
+        sums["B"].append(sum(x.backward for x in layers))
+        sums["I"].append(sum(x.input_backward for x in layers))
+        sums["W"].append(sum(x.weight_backward for x in layers))
+        sums["act"].append(sum(x.activation_bytes for x in layers))
+        sums["param"].append(sum(x.param_bytes for x in layers))
+        sums["input"].append(prof.layers[start - 1].output_bytes if start else 0)
+        start += n
+    return sums
+
+
+def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: float):
+    """Per-action seconds; a checkpointed microbatch pays its forward again in B or I,
+    and an action that sends to or receives from another rank pays ``transfer_cost``
+    per message on its own thread (packing, posting, unpacking)."""
+    owner = schedule.stage_to_rank
+
+    def crossings(a: Action) -> int:
+        if a.kind is Kind.F:
+            ends = (a.stage - 1, a.stage + 1)
+        elif a.kind in (Kind.B, Kind.I):
+            ends = (a.stage + 1, a.stage - 1)
+        else:
+            return 0
+        return sum(0 <= s < schedule.stages and owner[s] != owner[a.stage] for s in ends)
+
+    def cost(a: Action) -> float:
+        base = sums[a.kind.value][a.stage] + transfer_cost * crossings(a)
+        if a.kind in (Kind.B, Kind.I) and checkpointed(mode, a.microbatch, chunks):
+            base += sums["F"][a.stage]
+        return base
+
+    return cost
+
+
+def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:
+    """Peak bytes per rank: parameters × ``param_scale`` + saved activations alive.
+
+    A microbatch holds its stage's activations from F to its last backward
+    action (B, or W after I); checkpointed, it holds only its input until its
+    B/I recomputes the rest, which then lives to the same point.
+    """
+    peaks = []
+    for rank, row in enumerate(schedule.actions):
+        held = {s for s in range(schedule.stages) if schedule.stage_to_rank[s] == rank}
+        static = sum(sums["param"][s] for s in held) * param_scale
+        last = {}
+        for i, a in enumerate(row):
+            last[(a.stage, a.microbatch)] = i
+        live = peak = 0
+        alive: dict[tuple[int, int], int] = {}
+        for i, a in enumerate(row):
+            key = (a.stage, a.microbatch)
+            ckpt = checkpointed(mode, a.microbatch, schedule.microbatches)
+            if a.kind is Kind.F:
+                add = sums["input"][a.stage] if ckpt else sums["act"][a.stage]
+            elif a.kind in (Kind.B, Kind.I) and ckpt:
+                add = sums["act"][a.stage]
+            else:
+                add = 0
+            alive[key] = alive.get(key, 0) + add
+            live += add
+            peak = max(peak, live)
+            if last[key] == i:
+                live -= alive.pop(key)
+        peaks.append(int(static + peak))
+    return peaks
+
+
+def plan(
+    model: nn.Sequential,
+    sample,
+    ranks: int,
+    memory_limit: int | str | None = None,
+    speeds: Sequence[float] | None = None,
+    schedules: Sequence[str] | None = None,
+    chunks: Sequence[int] | None = None,
+    checkpoints: Sequence[str] = MODES,
+    param_scale: float = 2.0,
+    device: str | torch.device = "cpu",
+    latency: float = 0.0,
+    transfer_cost: float = 0.0,
+    prof: Profile | None = None,
+) -> Plan:
+    """Searches schedule × chunks × balance × checkpoint mode with the simulator.
+
+    Args:
+        model: the ``nn.Sequential`` to pipeline.
+        sample: one training batch (its size fixes the microbatch sizes).
+        ranks: pipeline ranks.
+        memory_limit: bytes per rank (or a string like ``"2GiB"``, ``"512MB"``);
+            plans above it are rejected.
+        speeds: per-rank speed factors (heterogeneous devices).
+        schedules: names to consider (default: all registered).
+        chunks: microbatch counts to consider (default: divisors of the batch
+            up to 64 and powers of two).
+        checkpoints: checkpoint modes to consider.
+        param_scale: parameter copies per rank (2: parameter and gradient).
+        device: where to profile.
+        latency: seconds a message takes from sender to receiver.
+        transfer_cost: seconds each end of a message spends on it on its
+            compute thread (packing, posting, unpacking).
+        prof: a ``Profile`` to reuse (profiling is the slow part).
+
+    Returns:
+        The ``Plan``; ``plan.explain()`` prints the candidates.
+
+    Raises:
+        ValueError: bad arguments, or no candidate fits ``memory_limit``.
+    """
+    limit = parse_bytes(memory_limit)
+    batch = mbatch.batch_size(sample)
+    options = sorted(set(chunks)) if chunks is not None else _chunk_options(batch, ranks)
+    if not options or any(not isinstance(c, int) or c < 1 or c > batch for c in options):
+        raise ValueError(f"chunks must be ints in [1, batch size {batch}], got {options!r}")
+    speeds = [1.0] * ranks if speeds is None else [float(s) for s in speeds]
+    if len(speeds) != ranks or not all(s > 0 for s in speeds):
+        raise ValueError(f"speeds must hold {ranks} positive numbers, got {speeds!r}")
+    unknown = [m for m in checkpoints if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown checkpoint modes {unknown}; valid: {list(MODES)}")
+    if prof is None:
+        small, large = batch // max(options), batch // min(options)
+        prof = profile(model, sample, device, max(options), fit_rows=large if large != small else None)
+    candidates = []
+    for name in schedules if schedules is not None else names():
+        for m in options:
+            sched = build(name, ranks, m)
+            if sched.stages > len(prof.layers):
+                continue
+            scaled = prof.scaled(batch // m)
+            stage_speed = [speeds[sched.stage_to_rank[s]] for s in range(sched.stages)]
+            balance = partition([x.forward + x.backward for x in scaled.layers], sched.stages, stage_speed)
+            sums = _stage_sums(scaled, balance)
+            for mode in checkpoints:
+                if mode == "except_last" and m == 1:
+                    continue  # the same as "never"
+                cost = _cost_fn(sums, mode, m, sched, transfer_cost)
+                sim = sched.simulate(cost, rank_speed=speeds, latency=latency)
+                candidates.append(Candidate(
+                    name, m, sched.stages // ranks, tuple(balance), mode, sim.makespan,
+                    sim.bubble_ratio, tuple(rank_memory(sched, sums, mode, param_scale)),
+                ))
+    if not candidates:
+        raise ValueError(f"no schedule fits {len(prof.layers)} layers on {ranks} ranks")
+    candidates.sort(key=lambda c: (not c.fits(limit), c.step_seconds, max(c.memory)))
+    if not candidates[0].fits(limit):
+        smallest = min(max(c.memory) for c in candidates)
+        raise ValueError(
+            f"no plan fits memory_limit={limit} bytes per rank; the smallest needs {smallest} bytes"
+        )
+    return Plan(candidates[0], candidates, limit, prof)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``2GiB`` -> 2147483648; ints pass through; None stays None.
+
+    Raises:
+        ValueError: an unknown unit or a negative size.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"memory size must be bytes or a string like '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"memory size must be >= 0, got {value!r}")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):] or "b"
+    if unit not in _UNITS or not digits:
+        raise ValueError(f"cannot read memory size {value!r}; use e.g. 2GiB, 512MB or 1000000")
+    return int(float(digits) * _UNITS[unit])

@@ -1,0 +1,57 @@
+"""Counting the bytes autograd saves for backward, parameters excluded.
+
+A saved parameter is often a view of it (``weight.t()`` for a Linear), so
+parameters are recognised by storage, not by identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class SavedBytes:
+    """A running count of saved-tensor bytes (``total``) while ``counting()`` is active.
+
+    The hooks chain to any saved-tensor hooks already active on the thread
+    (offloading, for instance), so counting changes nothing else.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._params = {_storage(p) for p in params}
+        self.total = 0
+
+    def _pack(self, t: torch.Tensor):
+        if _storage(t) not in self._params:
+            self.total += t.numel() * t.element_size()
+        return self._outer[0](t) if self._outer else t
+
+    def _unpack(self, packed):
+        return self._outer[1](packed) if self._outer else packed
+
+    @contextmanager
+    def counting(self) -> Iterator[SavedBytes]:
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+def saved_activation_bytes(module: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for ``module(*inputs).sum().backward()``.
+
+    Counted with ``saved_tensors_hooks``, which see what ``autograd.Function``\\ s
+    keep with ``ctx.save_for_backward`` (a tensor stored as a ``ctx`` attribute
+    would hide from it; fastpipe's layers never do that).
+    """
+    counter = SavedBytes(module.parameters())
+    with counter.counting():
+        out = module(*inputs)
+    out.sum().backward()
+    return counter.total

@@ -1,0 +1,212 @@
+"""Balance and plan: exact partitions, the profiler, the planner and memory accounting."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fastpipe import Pipe, plan
+from fastpipe._plan import parse_bytes
+from fastpipe.balance import balance_by_size, balance_by_time, partition, profile
+from tests.models import mlp, reference
+
+
+def _brute(costs, parts, speeds):
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), parts - 1):
+        bounds = (0, *cuts, len(costs))
+        worst = max(sum(costs[a:b]) / speeds[i] for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=9), st.data())
+def test_partition_is_optimal(costs, data):
+    parts = data.draw(st.integers(1, len(costs)))
+    speeds = data.draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=parts, max_size=parts))
+    sizes = partition(costs, parts, speeds)
+    assert len(sizes) == parts and all(n >= 1 for n in sizes) and sum(sizes) == len(costs)
+    bounds = [0, *itertools.accumulate(sizes)]
+    got = max(sum(costs[a:b]) / speeds[i] for i, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    assert got == pytest.approx(_brute(costs, parts, speeds))
+
+
+def test_partition_rejects_bad_speeds():
+    with pytest.raises(ValueError, match="speeds must hold 2"):
+        partition([1, 2, 3], 2, [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        partition([1, 2, 3], 2, [1.0, 0.0])
+
+
+class _Busy(nn.Module):
+    """Sleeps ``ms`` in forward and in backward: a layer with a known cost."""
+
+    def __init__(self, ms: float, width: int = 4):
+        super().__init__()
+        self.ms, self.lin = ms, nn.Linear(width, width)
+
+    def forward(self, x):
+        return _SleepFn.apply(self.lin(x), self.ms)
+
+
+class _SleepFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ms):
+        ctx.ms = ms
+        time.sleep(ms / 1e3)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.ms / 1e3)
+        return g, None
+
+
+def test_profile_counts_bytes_and_times():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), _Busy(5.0, 16))
+    prof = profile(model, torch.randn(12, 8), chunks=3, repeats=3, warmup=1)
+    assert prof.rows == 4
+    lin, relu, busy = prof.layers
+    assert lin.param_bytes == (8 * 16 + 16) * 4 and relu.param_bytes == 0
+    assert lin.activation_bytes == 4 * 8 * 4  # the input; the weight is a parameter
+    assert relu.activation_bytes == 4 * 16 * 4  # its output
+    assert lin.output_bytes == 4 * 16 * 4
+    assert 4e-3 < busy.forward < 20e-3 and 4e-3 < busy.backward < 20e-3
+    assert relu.weight_backward < 1e-3  # nothing to do
+    assert all(p.grad is None for p in model.parameters())  # profiling leaves no grads
+
+
+def test_balance_by_time_follows_measured_cost():
+    model = nn.Sequential(_Busy(1), _Busy(1), _Busy(1), _Busy(6))
+    assert balance_by_time(2, model, torch.randn(4, 4)) == [3, 1]
+    # a stage twice as fast takes twice the work
+    assert balance_by_time(2, nn.Sequential(*[_Busy(2) for _ in range(6)]), torch.randn(4, 4),
+                           speeds=[2.0, 1.0]) == [4, 2]
+
+
+def test_balance_by_size_follows_memory():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 1024))
+    assert balance_by_size(2, model, torch.randn(8, 64), chunks=2) == [3, 1]
+
+
+def _plan_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+
+
+def test_plan_prefers_the_simulated_fastest_and_explains():
+    model = _plan_model()
+    result = plan(model, torch.randn(32, 32), 2, schedules=["gpipe", "1f1b", "zb-h1"],
+                  chunks=[2, 4, 8], checkpoints=["never"])
+    assert result.best == result.candidates[0]
+    assert result.best.step_seconds == min(c.step_seconds for c in result.candidates)
+    text = result.explain(top=3)
+    assert "schedule" in text and result.best.schedule in text
+    kwargs = result.pipe_kwargs()
+    pipe = Pipe(model, plan=result, devices=["cpu", "cpu"])
+    assert (pipe.chunks, pipe.schedule.name, pipe.balance) == (kwargs["chunks"], kwargs["schedule"],
+                                                               kwargs["balance"])
+    with pytest.raises(ValueError, match="disagrees with the plan"):
+        Pipe(model, plan=result, chunks=kwargs["chunks"] + 1, devices=["cpu", "cpu"])
+    pipe.close()
+
+
+def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
+    """A limit below what 1F1B without checkpointing needs: the planner picks a
+    plan that fits, and the executor's own peak stays under the limit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
+    x, y = torch.randn(512, 64), torch.randn(512, 64)  # activations outweigh parameters
+    free = plan(model, x, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"])
+    need = max(free.best.memory)
+    everything = plan(model, x, 2, chunks=[8], prof=free.profile)
+    least = min(max(c.memory) for c in everything.candidates)
+    assert least < 0.8 * need  # checkpointing saves a lot here
+    limit = (least + need) // 2
+    tight = plan(model, x, 2, memory_limit=limit, chunks=[8], prof=free.profile)
+    assert max(tight.best.memory) <= limit
+    assert (tight.best.schedule, tight.best.checkpoint) != ("1f1b", "never")
+    pipe = Pipe(model, plan=tight, devices=["cpu", "cpu"])
+    try:
+        pipe.step(x, y, nn.functional.mse_loss)
+        stats = pipe.memory_stats()
+    finally:
+        pipe.close()
+    for rank, s in stats.items():
+        assert s["peak"] <= limit, (rank, s, limit)
+        # the planner's walk and the executor's count agree closely
+        assert s["peak"] == pytest.approx(tight.best.memory[rank], rel=0.1)
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan(model, x, 2, memory_limit=1000, chunks=[8], prof=free.profile)
+
+
+def test_memory_stats_follow_checkpointing():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    peaks = {}
+    for mode in ("never", "always"):
+        pipe = Pipe(mlp(), chunks=4, schedule="gpipe", devices=["cpu", "cpu"], checkpoint=mode)
+        try:
+            pipe.step(x, y, nn.functional.mse_loss)
+            peaks[mode] = pipe.memory_stats()
+        finally:
+            pipe.close()
+    for rank in (0, 1):
+        assert peaks["always"][rank]["activations_peak"] < peaks["never"][rank]["activations_peak"]
+        assert peaks["never"][rank]["params"] == peaks["never"][rank]["grads"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_auto_balance_by_time(schedule):
+    model = nn.Sequential(_Busy(1, 5), _Busy(1, 5), _Busy(1, 5), _Busy(8, 5), nn.Linear(5, 3))
+    model = model.double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    ref_model = nn.Sequential(*[m for m in model])
+    pipe = Pipe(model, chunks=2, schedule=schedule, balance="auto", devices=["cpu", "cpu"],
+                stages_per_rank=2 if schedule == "zbv" else None)
+    try:
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    finally:
+        pipe.close()
+    assert pipe.balance is not None and sum(pipe.balance) == 5
+    if schedule == "1f1b":
+        assert pipe.balance == [3, 2]  # the 8 ms layer goes with the cheap last one
+    model.zero_grad()
+    ref_loss, ref_grads = reference(ref_model, x, y, nn.functional.mse_loss, 2)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], msg=name)
+    with pytest.raises(ValueError, match="'auto'"):
+        Pipe(mlp(), chunks=2, balance="fast", devices=["cpu", "cpu"])
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes(1000) == 1000 and parse_bytes(None) is None
+    for bad in ("2 parsecs", "GiB", -1, True):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_plan_cli_prints_the_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "fastpipe", "plan", "--model", "tests.models:mlp_deep", "--ranks", "2",
+         "--input-shape", "16,5", "--memory-limit", "1MiB", "--top", "5"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "chosen" in out.stdout and "schedule" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "fastpipe", "plan", "--model", "nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "MODULE:FACTORY" in bad.stderr
