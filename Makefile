@@ -2,6 +2,7 @@
 #   make demo   set up .venv, install fastpipe, run the main job
 #   make test   set up .venv, install fastpipe with its test extras, run the suite
 #   make tsan   build the native ring with ThreadSanitizer and run its tests on it
+#   make asan   the same with AddressSanitizer
 # TORCH is the pip requirement for torch (default torch==2.13.0: on this project's
 # machines pip takes a CPU build of it from local disk; from PyPI on Linux it is
 # the CUDA build). Pass another requirement, or extra pip arguments such as a CPU
@@ -16,7 +17,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 
-.PHONY: demo test tsan bench torch clean
+.PHONY: demo test tsan asan bench torch clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,24 +48,35 @@ test: $(VENV)/.installed-test
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; fi; \
 	exit $$rc
 
-# ThreadSanitizer: the host ring and buffer ring (no CUDA part) built with
-# -fsanitize=thread into build/tsan, next to a copy of the Python package and
-# the tests, which then load it (conftest checks that they do). Any race
-# report makes TSAN exit non-zero.
-TSAN_DIR := build/tsan
-TSAN_SOURCES := csrc/event.cpp csrc/host_ring.cpp csrc/slot_ring.cpp csrc/module.cpp
+# Sanitizers: the host ring and buffer ring (no CUDA part) built with
+# -fsanitize=thread (make tsan) or -fsanitize=address (make asan) into
+# build/<name>, next to a copy of the Python package and the tests, which then
+# load it (conftest checks that they do). Any report makes the run fail.
+SAN_SOURCES := csrc/event.cpp csrc/host_ring.cpp csrc/slot_ring.cpp csrc/module.cpp
+SAN_TESTS := tests/test_host_ring.py tests/test_buffer_ring.py
 CXX ?= g++
+TSAN_ENV := TSAN_OPTIONS="halt_on_error=1 exitcode=66"
+# CPython frees little at exit by design: leak checks would only report it.
+# libstdc++ is preloaded too, so the sanitizer runtime finds __cxa_throw.
+ASAN_ENV := ASAN_OPTIONS="detect_leaks=0 halt_on_error=1 exitcode=67"
+
+define sanitize
+	rm -rf build/$(1) && mkdir -p build/$(1)
+	cp -r fastpipe tests build/$(1)/
+	rm -f build/$(1)/fastpipe/_C*.so
+	$(CXX) -std=c++17 -shared -fPIC -fvisibility=hidden -fsanitize=$(2) -fno-omit-frame-pointer -O1 -g \
+	  $$($(PY) -m pybind11 --includes) -Icsrc $(SAN_SOURCES) -ldl \
+	  -o build/$(1)/fastpipe/_C$$($(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+	cd build/$(1) && FASTPIPE_TEST_NATIVE_DIR=$(CURDIR)/build/$(1) FASTPIPE_CUDA=0 $(3) \
+	  LD_PRELOAD="$$($(CXX) -print-file-name=lib$(1).so) $$($(CXX) -print-file-name=libstdc++.so)" \
+	  $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(SAN_TESTS)
+endef
+
 tsan: $(VENV)/.installed-test
-	rm -rf $(TSAN_DIR) && mkdir -p $(TSAN_DIR)
-	cp -r fastpipe tests $(TSAN_DIR)/
-	rm -f $(TSAN_DIR)/fastpipe/_C*.so
-	$(CXX) -std=c++17 -shared -fPIC -fvisibility=hidden -fsanitize=thread -O1 -g \
-	  $$($(PY) -m pybind11 --includes) -Icsrc $(TSAN_SOURCES) -ldl \
-	  -o $(TSAN_DIR)/fastpipe/_C$$($(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-	cd $(TSAN_DIR) && FASTPIPE_TEST_NATIVE_DIR=$(CURDIR)/$(TSAN_DIR) FASTPIPE_CUDA=0 \
-	  TSAN_OPTIONS="halt_on_error=1 exitcode=66" \
-	  LD_PRELOAD=$$($(CXX) -print-file-name=libtsan.so) \
-	  $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider tests/test_host_ring.py tests/test_buffer_ring.py
+	$(call sanitize,tsan,thread,$(TSAN_ENV))
+
+asan: $(VENV)/.installed-test
+	$(call sanitize,asan,address,$(ASAN_ENV))
 
 bench: $(VENV)/.installed-test
 	$(PY) -m bench

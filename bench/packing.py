@@ -81,7 +81,7 @@ class UnpackedTransport(DistTransport):
             return super()._issue(tensors, spec, dst, key)
         peer = self.peer(dst)
         return [(dist.isend(t.detach().contiguous(), dst=peer, group=self.group, tag=_tag(self, key, i)),
-                 t, None, -1) for i, t in enumerate(tensors)]
+                 t, None, -1, dst) for i, t in enumerate(tensors)]
 
     def _post(self, src, key):
         if not hasattr(self, "_layouts"):

@@ -25,10 +25,9 @@ std::set<HostRing*>& registry() {
 HostRing::HostRing(int lanes) {
   FP_CHECK_VALUE(lanes >= 1 && lanes <= 1024, "lanes must be in [1, 1024], got ", lanes);
   lanes_.reserve(lanes);
-  for (int i = 0; i < lanes; ++i) lanes_.push_back(std::make_unique<Lane>());
+  for (int i = 0; i < lanes; ++i) lanes_.push_back(std::make_shared<Lane>());
   for (auto& lane : lanes_) {
-    Lane* l = lane.get();
-    l->thread = std::thread([this, l] { run_lane(*l); });
+    lane->thread = std::thread([lane, flags = flags_] { run_lane(lane, flags); });
   }
   std::lock_guard<std::mutex> lock(registry_mu());
   registry().insert(this);
@@ -68,7 +67,7 @@ EventPtr HostRing::submit(int lane, py::object fn, std::vector<EventPtr> after) 
   Lane& l = *lanes_[lane];
   {
     std::lock_guard<std::mutex> state(state_mu_);
-    FP_CHECK_STATE(!closing_, "submit on a closed ring (lane ", lane, ")");
+    FP_CHECK_STATE(!flags_->closing, "submit on a closed ring (lane ", lane, ")");
     std::lock_guard<std::mutex> lock(l.mu);
     l.queue.push_back(Task{std::move(fn), std::move(after), event});
   }
@@ -104,26 +103,28 @@ void HostRing::run_task(Task& task, bool cancelled) {
   task.event.reset();
 }
 
-void HostRing::run_lane(Lane& lane) {
+void HostRing::run_lane(std::shared_ptr<Lane> lane_ptr, std::shared_ptr<Flags> flags) {
+  Lane& lane = *lane_ptr;
   for (;;) {
     Task task;
     bool cancelled;
     {
       std::unique_lock<std::mutex> lock(lane.mu);
-      lane.cv.wait(lock, [&] { return !lane.queue.empty() || closing_.load(); });
+      lane.cv.wait(lock, [&] { return !lane.queue.empty() || flags->closing.load(); });
       if (lane.queue.empty()) return;  // closing and drained
       task = std::move(lane.queue.front());
       lane.queue.pop_front();
       ++lane.running;
-      cancelled = cancel_.load();
+      cancelled = flags->cancel.load();
     }
     run_task(task, cancelled);
     std::lock_guard<std::mutex> lock(lane.mu);
     --lane.running;
+    lane.cv.notify_all();  // close() may be waiting for this lane to go idle
   }
 }
 
-void HostRing::close(bool cancel_pending) {
+void HostRing::close(bool cancel_pending, std::optional<double> grace) {
   {
     std::lock_guard<std::mutex> state(state_mu_);
     if (joined_) return;
@@ -131,8 +132,8 @@ void HostRing::close(bool cancel_pending) {
       FP_CHECK_STATE(lane->thread.get_id() != std::this_thread::get_id(),
                      "a ring cannot be closed from one of its own lanes");
     }
-    if (cancel_pending) cancel_ = true;
-    closing_ = true;
+    if (cancel_pending) flags_->cancel = true;
+    flags_->closing = true;
     joined_ = true;
   }
   for (auto& lane : lanes_) {
@@ -141,12 +142,26 @@ void HostRing::close(bool cancel_pending) {
   }
   // Workers need the GIL to run and to cancel what is queued.
   py::gil_scoped_release nogil;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(grace.value_or(0.0)));
   for (auto& lane : lanes_) {
-    if (lane->thread.joinable()) lane->thread.join();
+    if (!lane->thread.joinable()) continue;
+    if (grace) {
+      std::unique_lock<std::mutex> lock(lane->mu);
+      bool idle = lane->cv.wait_until(lock, deadline, [&] {
+        return lane->queue.empty() && lane->running == 0;
+      });
+      if (!idle) {
+        lane->thread.detach();  // it owns a reference to its lane and flags
+        continue;
+      }
+    }
+    lane->thread.join();
   }
 }
 
-bool HostRing::closed() const { return closing_.load(); }
+bool HostRing::closed() const { return flags_->closing.load(); }
 
 long HostRing::pending() const {
   long n = 0;
@@ -163,7 +178,7 @@ void HostRing::close_all() {
     std::lock_guard<std::mutex> lock(registry_mu());
     rings.assign(registry().begin(), registry().end());
   }
-  for (HostRing* ring : rings) ring->close(/*cancel_pending=*/true);
+  for (HostRing* ring : rings) ring->close(/*cancel_pending=*/true, /*grace=*/1.0);
 }
 
 }  // namespace fastpipe

@@ -9,6 +9,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -39,14 +40,19 @@ class HostRing {
   EventPtr submit(int lane, py::object fn, std::vector<EventPtr> after);
   // GIL held. Stops accepting work, then lets each lane finish what it has
   // (or fails the queued tasks when `cancel_pending`), and joins the threads.
-  void close(bool cancel_pending);
+  // With `grace`, a lane still busy after `grace` seconds (a task blocked in
+  // a wait that will only end by its own timeout) is left to finish on its
+  // own: its thread is detached and keeps its state alive.
+  void close(bool cancel_pending, std::optional<double> grace = std::nullopt);
   int lanes() const { return static_cast<int>(lanes_.size()); }
   bool closed() const;
   // Tasks queued or running, over all lanes.
   long pending() const;
 
-  // Closes every ring still open, cancelling queued work. Registered with
-  // `atexit` so no worker touches Python after the interpreter starts to go.
+  // Closes every ring still open, cancelling queued work and leaving lanes
+  // stuck in a task after a short grace period. Registered with `atexit` so
+  // no worker touches Python after the interpreter starts to go, and a
+  // blocked lane cannot hold up the exit.
   static void close_all();
 
  private:
@@ -62,16 +68,21 @@ class HostRing {
     long running = 0;
     std::thread thread;
   };
+  // What a worker thread reads: shared with it, so a detached worker never
+  // touches a destroyed ring.
+  struct Flags {
+    std::atomic<bool> closing{false};
+    std::atomic<bool> cancel{false};
+  };
 
-  void run_lane(Lane& lane);
+  static void run_lane(std::shared_ptr<Lane> lane, std::shared_ptr<Flags> flags);
   static void run_task(Task& task, bool cancelled);
 
-  std::vector<std::unique_ptr<Lane>> lanes_;
+  std::vector<std::shared_ptr<Lane>> lanes_;
+  std::shared_ptr<Flags> flags_ = std::make_shared<Flags>();
   // Lock order: state_mu_ before a lane's mu. Workers read the flags without
   // state_mu_ (they are atomics) so they never take the locks the other way.
   mutable std::mutex state_mu_;
-  std::atomic<bool> closing_{false};
-  std::atomic<bool> cancel_{false};
   bool joined_ = false;
 };
 

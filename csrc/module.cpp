@@ -91,13 +91,16 @@ PYBIND11_MODULE(_C, m) {
       .def("submit", &HostRing::submit, py::arg("lane"), py::arg("fn"),
            py::arg("after") = std::vector<EventPtr>{},
            "Queue fn() on `lane`, to run after every event in `after`; returns its Event.")
-      .def("close", &HostRing::close, py::arg("cancel_pending") = false)
+      .def("close", &HostRing::close, py::arg("cancel_pending") = false,
+           py::arg("grace") = py::none(),
+           "Stop accepting work; finish (or cancel) what is queued; join the lanes. With "
+           "`grace` (seconds), lanes still busy then are detached instead of joined.")
       .def_property_readonly("lanes", &HostRing::lanes)
       .def_property_readonly("closed", &HostRing::closed)
       .def("pending", &HostRing::pending)
       .def("__enter__", [](HostRing& r) -> HostRing& { return r; },
            py::return_value_policy::reference)
-      .def("__exit__", [](HostRing& r, py::args) { r.close(/*cancel_pending=*/false); });
+      .def("__exit__", [](HostRing& r, py::args) { r.close(/*cancel_pending=*/false, std::nullopt); });
 
   py::class_<SlotRing>(m, "SlotRing",
                        "Which of N reusable buffers may be handed out: a slot is reused "

@@ -34,8 +34,9 @@ class HostRing:
     def __init__(self, lanes: int) -> None: ...
     def submit(self, lane: int, fn: Callable[[], Any], after: Sequence[Event] = ()) -> Event:
         """Queue ``fn()`` on ``lane`` to run after every event in ``after``."""
-    def close(self, cancel_pending: bool = False) -> None:
-        """Stop accepting work; finish (or cancel) what is queued; join the lanes."""
+    def close(self, cancel_pending: bool = False, grace: float | None = None) -> None:
+        """Stop accepting work; finish (or cancel) what is queued; join the lanes
+        (with ``grace``: detach those still busy after that many seconds)."""
     @property
     def lanes(self) -> int: ...
     @property

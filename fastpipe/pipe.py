@@ -164,6 +164,9 @@ class Pipe(nn.Module):
             _check_no_shared_params(model, self.balance)
             self._stages = self._build_stages()
         self._ring = None
+        self._broken: BaseException | None = None  # distributed: the failure that ended a step
+        if self.distributed:
+            self._check_ranks_agree(balance, recompute)
         self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
@@ -189,6 +192,28 @@ class Pipe(nn.Module):
         self._stages = self._build_stages()
         log.info("pipe: balance by time %s", self.balance)
 
+    def _check_ranks_agree(self, balance, recompute: str) -> None:
+        """One small collective: every rank must have built the same pipeline.
+
+        Raises (on every rank):
+            ValueError: naming the first setting that differs and each rank's value.
+        """
+        mine = {
+            "layers": len(self.module), "chunks": self.chunks, "schedule": self.schedule.name,
+            "stages": self.schedule.stages, "placement": tuple(self.schedule.stage_to_rank),
+            "balance": "auto" if self.balance is None else tuple(self.balance),
+            "checkpoint": self.checkpoint, "recompute": recompute,
+            "wire_dtype": str(self._wire["F"]), "grad_wire_dtype": str(self._wire["B"]),
+        }
+        everyone: list = [None] * self.schedule.ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for name in mine:
+            values = [theirs[name] for theirs in everyone]
+            if any(v != values[0] for v in values):
+                listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                raise ValueError(f"pipeline ranks disagree on {name} ({listed}); every rank must "
+                                 "build the Pipe with the same arguments")
+
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """Bytes per pipeline rank held by this process, as the executor accounts them.
 
@@ -213,7 +238,7 @@ class Pipe(nn.Module):
         return list(range(self.schedule.ranks)) if not self.distributed else [self.rank]
 
     def _build_stages(self) -> dict[int, dict[int, Stage]]:
-        layers = list(self.module.children())
+        layers = list(self.module)
         bounds = [0]
         for n in self.balance:
             bounds.append(bounds[-1] + n)
@@ -247,7 +272,7 @@ class Pipe(nn.Module):
                 lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
                 self._dist_transport = DistTransport(
                     self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
-                    self._wire,
+                    self._wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
                 )
             return self._dist_transport
         # Local lanes: 0..ranks-1 run each rank's loop, ranks.. its sends.
@@ -268,6 +293,7 @@ class Pipe(nn.Module):
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("Pipe.step needs autograd; it was called inside torch.no_grad()")
+        self._check_not_broken()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if self._stages is None:
@@ -305,6 +331,7 @@ class Pipe(nn.Module):
             The output (concatenated along dim 0) on the rank of the last stage;
             ``None`` on other ranks in distributed mode.
         """
+        self._check_not_broken()
         if self._stages is None:
             self._split_by_time(x)
         inputs, _ = self._split_inputs(x, None)
@@ -315,6 +342,14 @@ class Pipe(nn.Module):
 
     def _owner(self, stage: int) -> int:
         return self.schedule.stage_to_rank[stage]
+
+    def _check_not_broken(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"an earlier step of this Pipe failed on rank {self.rank} ({self._broken!r}); its "
+                "process group may still hold that step's messages, so the pipeline cannot go "
+                "on: destroy the process group and build it and the Pipe again"
+            ) from self._broken
 
     def _split_inputs(self, x: Any, target: Any):
         holds_first = not self.distributed or self.rank == self._owner(0)
@@ -339,6 +374,9 @@ class Pipe(nn.Module):
                 executor.records = self._recording
             try:
                 return executor.run(inputs, targets, loss_fn, train)
+            except BaseException as exc:
+                self._broken = exc
+                raise
             finally:
                 if train:
                     self._memory[self.rank] = executor.peak_activation_bytes
@@ -525,7 +563,7 @@ def _check_no_shared_params(model: nn.Sequential, balance: list[int]) -> None:
     owner: dict[int, int] = {}
     layer = 0
     for stage, n in enumerate(balance):
-        for child in list(model.children())[layer : layer + n]:
+        for child in list(model)[layer : layer + n]:
             for name, p in child.named_parameters():
                 seen = owner.setdefault(id(p), stage)
                 if seen != stage:

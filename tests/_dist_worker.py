@@ -25,6 +25,9 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             if case.get("train"):
                 results.append(_train(case))
                 continue
+            if case.get("soak"):
+                results.append(_soak(case))
+                continue
             model = getattr(models, case["model"])()
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
@@ -80,6 +83,44 @@ def _train(case: dict) -> dict:
         losses.append(pipe.step(x, y, nn.functional.mse_loss).item())
         opt.step()
     return {"losses": losses}
+
+
+def _resources() -> dict:
+    """What a leak would grow: resident memory, threads, file descriptors, live tensors."""
+    import gc
+    import os
+    import threading
+
+    gc.collect()
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {
+        "rss": rss,
+        "threads": len(os.listdir("/proc/self/task")),
+        "py_threads": threading.active_count(),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "tensors": sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor)),
+    }
+
+
+def _soak(case: dict) -> dict:
+    """case["steps"] Adam steps of the demo model; resources after warm-up and at the end."""
+    from fastpipe import Pipe
+    from fastpipe._demo import _data, _model
+
+    torch.manual_seed(0)
+    model = _model()
+    pipe = Pipe(model, chunks=4, schedule=case["schedule"], timeout=60)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    marks = {}
+    for step in range(case["steps"]):
+        x, y = _data(step % 10, case["batch"])
+        opt.zero_grad()
+        pipe.step(x, y, nn.functional.mse_loss)
+        opt.step()
+        if step + 1 in (case["warmup"], case["steps"]):
+            marks[step + 1] = _resources()
+    return {"marks": marks}
 
 
 def _ring_stats(pipe) -> dict:

@@ -280,3 +280,17 @@ def test_cuda_backend_is_built_when_headers_exist():
         assert C.cuda_runtime_available() is False
         with pytest.raises(RuntimeError, match="CUDA is unavailable"):
             C.CudaStream(0)
+
+
+def test_close_with_grace_leaves_a_stuck_lane_behind():
+    gate = threading.Event()
+    r = HostRing(2)
+    done = r.submit(0, lambda: gate.wait(30) and "finished")
+    quick = r.submit(1, lambda: 7)
+    assert quick.wait(5) == 7
+    t0 = time.monotonic()
+    r.close(cancel_pending=True, grace=0.2)
+    assert time.monotonic() - t0 < 5  # did not wait for the stuck task
+    assert r.closed
+    gate.set()  # the detached lane finishes on its own, its state still alive
+    assert done.wait(5) == "finished"

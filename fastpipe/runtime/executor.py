@@ -141,6 +141,7 @@ class RankExecutor:
         self._weights: dict[tuple[int, int], WeightWork] = {}
         self._results: dict[int, Any] = {}
         self._held: dict[tuple[int, int], list] = {}  # received buffers in use
+        self._sent: set[tuple[str, int, int]] = set()
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
         if self._ahead:
@@ -155,7 +156,7 @@ class RankExecutor:
             with grad_mode:
                 self._loop()
         except BaseException as exc:
-            self.transport.fail(exc)
+            self.transport.fail(exc, self._unsent())
             raise
         leftovers = [
             name for name in ("_saved", "_weights", "_outbox", "_pending", "_local", "_held")
@@ -179,6 +180,20 @@ class RankExecutor:
                 if i in release_at:
                     self._release(release_at[i])
         self.transport.finish()
+
+    def _unsent(self) -> list[tuple[tuple[str, int, int], int]]:
+        """(key, destination rank) of every message of the step not sent yet."""
+        out = []
+        for a in self.actions:
+            if a.kind is Kind.SEND_F:
+                key, dst = ("F", a.stage + 1, a.microbatch), self._owner(a.stage + 1)
+            elif a.kind is Kind.SEND_B:
+                key, dst = ("B", a.stage - 1, a.microbatch), self._owner(a.stage - 1)
+            else:
+                continue
+            if key not in self._sent:
+                out.append((key, dst))
+        return out
 
     def _release(self, key: tuple[int, int]) -> None:
         for pending in self._held.pop(key, ()):
@@ -248,14 +263,15 @@ class RankExecutor:
             self._outbox[key] = payload
 
     def _send_f(self, a: Action) -> None:
-        key = ("F", a.stage + 1, a.microbatch)
-        tensors, spec = self._outbox.pop(key)
-        self.transport.send(tensors, spec, self._owner(a.stage + 1), key)
+        self._send(("F", a.stage + 1, a.microbatch), a.stage + 1)
 
     def _send_b(self, a: Action) -> None:
-        key = ("B", a.stage - 1, a.microbatch)
+        self._send(("B", a.stage - 1, a.microbatch), a.stage - 1)
+
+    def _send(self, key: tuple[str, int, int], dst_stage: int) -> None:
         tensors, spec = self._outbox.pop(key)
-        self.transport.send(tensors, spec, self._owner(a.stage - 1), key)
+        self._sent.add(key)  # from here on the transport owns it (and its failure)
+        self.transport.send(tensors, spec, self._owner(dst_stage), key)
 
     # --- compute verbs -----------------------------------------------------------
 

@@ -10,9 +10,12 @@ Both transports take the same verbs, so the executor has one code path:
                                         Pending.release() hands its buffer back
                                         once the stage no longer needs it
     finish()                            waits for outstanding sends
-    fail(exc)                           marks this rank failed: local peers stop
-                                        waiting at once; a distributed rank drops
-                                        its step state (peers see their timeout)
+    fail(exc, unsent)                   marks this rank failed: local peers stop
+                                        waiting at once; a distributed rank sends
+                                        an abort notice in place of every message
+                                        of the step it has not sent (``unsent``:
+                                        [(key, dst)]), so its peers fail at once
+                                        with a PeerError naming it
     posts_ahead                         True when recv() only queues work on a
                                         lane, so every receive of a step can be
                                         handed over when it starts
@@ -48,7 +51,7 @@ import torch.distributed as dist
 from fastpipe._microbatch import Spec, needs_grad
 from fastpipe.runtime.buffers import BufferRing, Stream, receive_slots
 from fastpipe.runtime.packing import Layout, aligned, pack_into, unpack, wire_roundtrip
-from fastpipe.schedules import Action
+from fastpipe.schedules import Action, Kind
 
 Key = tuple[str, int, int]
 Payload = tuple[list[torch.Tensor], Any]  # (tensors, spec)
@@ -175,7 +178,7 @@ class LocalTransport:
         for event in sends:
             event.wait(self.timeout)
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException, unsent=()) -> None:
         self.mailbox.fail(self.rank, exc)
         self._sends = []
 
@@ -199,11 +202,14 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 # from the same history (the largest message of earlier steps), so they agree
 # without talking. gloo accepts a message shorter than the posted buffer. A
 # message over capacity goes as a 16-byte notice [total bytes | OVERSIZE] on
-# the posted tag, followed by the full message on the next tag.
+# the posted tag, followed by the full message on the next tag. A rank that
+# fails sends [length | ABORT][reason] on the tag of every message it still
+# owed, so whoever waits for one learns who failed and why, at once.
 
 _PREFIX = 16
 _OVERSIZE = 1
-_MIN_POST = 64  # bytes of a receive buffer before any size is known (>= a notice)
+_ABORT = 2  # the sender failed: the rest of the message is its reason (utf-8)
+_MIN_POST = 256  # bytes of a receive buffer before any size is known (>= any notice)
 _HEAD = struct.Struct("<BHI")  # spec kind, tensors, pickled-spec bytes
 
 
@@ -312,13 +318,21 @@ class DistTransport:
     _recv_rings: dict = field(default_factory=dict)  # id(actions) -> {stream: BufferRing}
     _send_rings: dict = field(default_factory=dict)  # stream -> BufferRing
     _rings: dict = field(default_factory=dict)  # this step's receive rings
+    _events: list = field(default_factory=list)  # this step's lane tasks
+    _expected: list = field(default_factory=list)  # this step's receives: [(key, src)]
+    _posted: set = field(default_factory=set)  # keys whose receive was posted
 
     @property
     def posts_ahead(self) -> bool:
         return self.lanes is not None
 
+    stage_to_rank: tuple = ()  # the schedule's placement (set by the Pipe)
+
     def peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    def _owner(self, stage: int) -> int:
+        return self.stage_to_rank[stage]
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
@@ -339,6 +353,14 @@ class DistTransport:
             self._recv_rings[id(actions)] = rings
         self._rings = rings
         self._sends = []
+        self._events = []
+        self._posted = set()
+        self._expected = []
+        for a in actions:
+            if a.kind is Kind.RECV_F:
+                self._expected.append((("F", a.stage, a.microbatch), self._owner(a.stage - 1)))
+            elif a.kind is Kind.RECV_B:
+                self._expected.append((("B", a.stage, a.microbatch), self._owner(a.stage + 1)))
 
     def rings(self) -> dict[str, dict[Stream, BufferRing]]:
         """This step's receive rings and every send ring (for tests and stats)."""
@@ -355,6 +377,7 @@ class DistTransport:
         issued = ring.submit(self.lanes.send, lambda: self._issue(tensors, spec, dst, key))
         done = ring.submit(self.lanes.send_done, lambda: self._settle(issued.wait()), [issued])
         self._sends.append(done)
+        self._events += (issued, done)
 
     def _issue(self, tensors, spec, dst, key) -> list:
         tag, peer = self.tag(key), self.peer(dst)
@@ -369,8 +392,8 @@ class DistTransport:
             buf = torch.empty(total, dtype=torch.uint8)  # a one-off size: not worth a slot
             write_head(buf, head)
             pack_into(buf[start:], tensors, layout)
-            return [(dist.isend(notice, dst=peer, group=self.group, tag=tag), notice, None, -1),
-                    (dist.isend(buf, dst=peer, group=self.group, tag=tag + 1), buf, None, -1)]
+            return [(dist.isend(notice, dst=peer, group=self.group, tag=tag), notice, None, -1, dst),
+                    (dist.isend(buf, dst=peer, group=self.group, tag=tag + 1), buf, None, -1, dst)]
         ring = self._send_rings.get(key[:2])
         if ring is None:
             ring = self._send_rings[key[:2]] = BufferRing(
@@ -379,16 +402,18 @@ class DistTransport:
         slot, buf = ring.get(total)
         write_head(buf, head)
         pack_into(buf[start:], tensors, layout)
-        return [(dist.isend(buf, dst=peer, group=self.group, tag=tag), buf, ring, slot)]
+        return [(dist.isend(buf, dst=peer, group=self.group, tag=tag), buf, ring, slot, dst)]
 
     def _reap(self) -> None:
         """Inline mode: frees the slots of the oldest sends that have completed."""
+        # gloo marks a work completed only inside wait(), so this frees slots
+        # only on backends that report completion on their own.
         while self._sends and all(work.is_completed() for work, *_ in self._sends[0]):
             self._settle(self._sends.pop(0))
 
     def _settle(self, issued: list) -> None:
-        for work, _buf, ring, slot in issued:
-            self._wait(work, "send")
+        for work, _buf, ring, slot, dst in issued:
+            self._wait(work, f"a send to rank {dst} (it must post the matching receive)", dst)
             if ring is not None:
                 ring.put(slot)
 
@@ -402,6 +427,7 @@ class DistTransport:
         done = ring.submit(
             self.lanes.recv_done, lambda: self._complete(posted.wait(), src, key), [posted]
         )
+        self._events += (posted, done)
         return _DistRecv(self, src, key, event=done)
 
     def _post(self, src: int, key: Key) -> _Posted:
@@ -412,6 +438,7 @@ class DistTransport:
         except BaseException:
             ring.put(slot)
             raise
+        self._posted.add(key)
         return _Posted(work, buf, ring, slot)
 
     def _complete(self, posted: _Posted, src: int, key: Key):
@@ -419,15 +446,18 @@ class DistTransport:
         what = f"{_describe(key)} from rank {src}"
         held: tuple[BufferRing, int] | None = (posted.ring, posted.slot)
         try:
-            self._wait(posted.work, what)
+            self._wait(posted.work, what, src)
             buf = posted.buf
             total, flags = buf[:_PREFIX].view(torch.int64).tolist()
+            if flags & _ABORT:
+                reason = bytes(buf[_PREFIX:total].tolist()).decode("utf-8", "replace")
+                raise PeerError(f"pipeline rank {src} failed: {reason}")
             if flags & _OVERSIZE:  # a notice: the message follows on the next tag
                 posted.ring.put(posted.slot)
                 held = None
                 buf = torch.empty(total, dtype=torch.uint8)
                 work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key) + 1)
-                self._wait(work, what)
+                self._wait(work, what, src)
             start, _, layout, spec, grads = read_head(buf)
             self._note(key, start + layout.nbytes)
             tensors = received(buf, start, layout, grads)
@@ -443,15 +473,20 @@ class DistTransport:
             raise
         return tensors, spec, held
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def _wait(self, work: dist.Work, what: str, peer: int | None = None) -> None:
         try:
             done = work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as err:  # gloo reports its timeout as a RuntimeError
-            if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+            text = str(err).lower()
+            if "closed by peer" in text or "connection reset" in text or "broken pipe" in text:
+                who = f"pipeline rank {peer}" if peer is not None else "a peer rank"
+                raise PeerError(f"{who} is gone (its process died or closed the connection) "
+                                f"while waiting for {what}") from err
+            if "timed out" not in text and "timeout" not in text:
                 raise
-            raise TimeoutError(f"{what} not done within timeout={self.timeout} s") from err
+            raise TimeoutError(_timeout_message(what, self.timeout, peer)) from err
         if not done:
-            raise TimeoutError(f"{what} not done within timeout={self.timeout} s")
+            raise TimeoutError(_timeout_message(what, self.timeout, peer))
 
     def finish(self) -> None:
         """Waits for this step's sends, then grows the capacities for the next step.
@@ -469,16 +504,99 @@ class DistTransport:
             self._capacity[stream] = max(self._capacity.get(stream, 0), nbytes)
         self._seen.clear()
 
-    def fail(self, exc: BaseException) -> None:
-        """Drops the failed step's sends and sizes and frees every buffer slot.
+    def fail(self, exc: BaseException, unsent=()) -> None:
+        """Tells the peers, drops the step's state and frees every buffer slot.
 
-        Peers learn of the failure by their timeout. Slots are cancelled so no
-        lane stays blocked waiting for one.
+        Every message of the step this rank still owed (``unsent``) is
+        replaced by an abort notice carrying the reason, so a peer waiting for
+        one fails at once with a PeerError naming this rank (and passes the
+        news on the same way). Notices wait at most a few seconds to be taken.
+        After a failure the process group holds stale messages: the Pipe
+        refuses further steps.
         """
-        self._sends = []
-        self._seen.clear()
-        for rings in self._recv_rings.values():
+        for rings in self._recv_rings.values():  # no more receives get posted
             for ring in rings.values():
                 ring.cancel(f"the step failed: {exc!r}")
+        if not isinstance(exc, PeerError):  # a peer's failure is passed on as ours
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = str(exc)
+        payload = reason.encode("utf-8")[: _MIN_POST - _PREFIX]
+        notices = []
+        for key, dst in unsent:
+            msg = torch.empty(_PREFIX + len(payload), dtype=torch.uint8)
+            msg[:_PREFIX].view(torch.int64).copy_(torch.tensor([msg.numel(), _ABORT]))
+            if payload:
+                msg[_PREFIX:].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            try:
+                notices.append((dist.isend(msg, dst=self.peer(dst), group=self.group, tag=self.tag(key)), msg))
+            except RuntimeError:
+                break  # the connection is gone already
+        # Take in what the peers still send this step (their data, or their
+        # own notices once they fail too), so their sends complete and so do
+        # the receives our lanes posted: no thread is left inside a gloo wait
+        # when the error reaches the caller.
+        deadline = time.monotonic() + min(self.timeout, 10.0)
+        for key, src, work, buf in self._drain():
+            self._finish_drain(key, src, work, buf, deadline)
+        for event in self._events:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                event.wait(left)
+            except BaseException:  # noqa: BLE001 - the lanes' own failures are expected here
+                pass
+        self._events = []
+        self._sends = []
+        self._seen.clear()
         for ring in self._send_rings.values():
             ring.cancel(f"the step failed: {exc!r}")
+
+
+    def _drain(self) -> list:
+        """Posts a receive for every message of the step not yet posted."""
+        out = []
+        for key, src in self._expected:
+            if key in self._posted:
+                continue
+            buf = torch.empty(max(self._capacity.get(key[:2], 0), _MIN_POST), dtype=torch.uint8)
+            try:
+                work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
+            except RuntimeError:
+                break  # the connection is gone
+            out.append((key, src, work, buf))
+        return out
+
+    def _finish_drain(self, key, src, work, buf, deadline: float) -> None:
+        """Waits (until ``deadline``) for a drained message; follows an oversize notice.
+
+        gloo only learns that a receive completed inside ``wait`` (its
+        ``is_completed`` stays False until then), and a wait that times out
+        closes the connection: acceptable here, the step has failed anyway.
+        """
+        try:
+            if not _wait_until(work, deadline):
+                return
+            total, flags = buf[:_PREFIX].view(torch.int64).tolist()
+            if flags & _OVERSIZE:
+                full = torch.empty(total, dtype=torch.uint8)
+                rest = dist.irecv(full, src=self.peer(src), group=self.group, tag=self.tag(key) + 1)
+                _wait_until(rest, deadline)
+        except RuntimeError:
+            pass  # the peer is gone: nothing left to take in
+
+
+def _wait_until(work: dist.Work, deadline: float) -> bool:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        return bool(work.wait(timedelta(seconds=left)))
+    except RuntimeError:
+        return False
+
+
+def _timeout_message(what: str, timeout: float, peer: int | None) -> str:
+    hint = f"; pipeline rank {peer} may be stuck or slow" if peer is not None else ""
+    return f"{what} not done within timeout={timeout} s{hint} (Pipe(timeout=...) sets the limit)"

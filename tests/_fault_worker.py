@@ -1,0 +1,94 @@
+"""Body of the spawned gloo ranks of test_faults: one fault per run, one file per rank."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Fault(nn.Module):
+    """Passes its input on, until step ``at`` of ``mode`` on this rank's process."""
+
+    step = 0  # set by the worker before each step
+
+    def __init__(self, mode: str, at: int):
+        super().__init__()
+        self.mode, self.at = mode, at
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        x = self.lin(x)
+        if Fault.step == self.at and self.mode == "forward":
+            raise ValueError("boom in forward")
+        if Fault.step == self.at and self.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "backward" and Fault.step == self.at:
+            return _FailBackward.apply(x)
+        if self.mode == "shape":  # more tensors from step `at` on: the message describes itself
+            return (x, x * 2, x.sum(-1, keepdim=True)) if Fault.step >= self.at else (x, x * 2)
+        return x
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+class SumAll(nn.Module):
+    def forward(self, value):
+        return sum(value) if isinstance(value, tuple) else value
+
+
+def _model(case: dict, rank: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    mode = case["fault"] if case.get("rank") == rank else "none"
+    # stage 0 = [Linear, Fault], stage 1 = [SumAll, Fault, Linear] with balance [2, 3]
+    first = Fault(mode if case.get("stage") == 0 else "none", case.get("at", 1))
+    second = Fault(mode if case.get("stage") == 1 else "none", case.get("at", 1))
+    if case["fault"] == "shape":
+        first = Fault("shape", case.get("at", 1))
+    return nn.Sequential(nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3)).double()
+
+
+def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
+    from fastpipe import Pipe
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    started = time.monotonic()
+    result: dict = {"losses": []}
+    try:
+        kwargs = dict(chunks=4, schedule="1f1b", balance=[2, 3], timeout=case["timeout"])
+        kwargs.update(case.get("per_rank", {}).get(rank, {}))
+        pipe = Pipe(_model(case, rank), **kwargs)
+        x = torch.randn(8, 5, dtype=torch.float64)
+        y = torch.randn(8, 3, dtype=torch.float64)
+        if case["fault"] == "nan":
+            y[0, 0] = float("nan")
+        for step in range(case.get("steps", 3)):
+            Fault.step = step
+            started = time.monotonic()
+            result["losses"].append(pipe.step(x, y, nn.functional.mse_loss).item())
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result.update(ok=False, type=type(exc).__name__, message=str(exc),
+                      elapsed=time.monotonic() - started, trace=traceback.format_exc())
+    torch.save(result, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world, init, case_path, out = sys.argv[1:]
+    run(int(rank), int(world), init, torch.load(case_path, weights_only=False), out)

@@ -1,0 +1,122 @@
+"""Bad input at the public boundary: a built-in exception naming the value and the rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe import Pipe
+from tests.models import mlp
+
+F = nn.functional
+CPU2 = ["cpu", "cpu"]
+
+
+def _tied():
+    shared = nn.Linear(4, 4)
+    return nn.Sequential(shared, nn.ReLU(), nn.Linear(4, 4), shared)
+
+
+def _step(pipe_kwargs: dict, x, y, loss_fn=F.mse_loss, model=None):
+    pipe = Pipe(model if model is not None else mlp(), **pipe_kwargs)
+    try:
+        return pipe.step(x, y, loss_fn)
+    finally:
+        pipe.close()
+
+
+X, Y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+CONSTRUCTION = [
+    # (id, kwargs for Pipe (model=... overrides mlp()), exception, message pattern)
+    ("not-sequential", {"model": nn.Linear(2, 2)}, TypeError, "nn.Sequential, got Linear"),
+    ("empty", {"model": nn.Sequential()}, ValueError, "at least one layer"),
+    ("chunks-zero", {"chunks": 0}, ValueError, "chunks must be >= 1, got 0"),
+    ("chunks-negative", {"chunks": -3}, ValueError, "got -3"),
+    ("chunks-float", {"chunks": 2.5}, TypeError, r"chunks must be an int, got float \(2.5\)"),
+    ("chunks-bool", {"chunks": True}, TypeError, "chunks must be an int, got bool"),
+    ("balance-sum", {"balance": [2, 3]}, ValueError, r"module: 6, sum of balance: 5"),
+    ("balance-zero", {"balance": [0, 6]}, ValueError, r"positive int, got \[0, 6\]"),
+    ("balance-length", {"balance": [2, 2, 2]}, ValueError, r"3 entries but the schedule has 2 stages"),
+    ("balance-length-v", {"balance": [3, 3], "schedule": "zbv"}, ValueError, "2 entries but the schedule has 4"),
+    ("balance-word", {"balance": "fast"}, ValueError, "'fast'"),
+    ("ranks-over-layers", {"devices": ["cpu"] * 4, "model": nn.Sequential(nn.Linear(2, 2), nn.ReLU())},
+     ValueError, "2 layers but the schedule has 4 stages"),
+    ("schedule-unknown", {"schedule": "2f2b"}, ValueError, "unknown schedule '2f2b'; valid names"),
+    ("spr-unsupported", {"schedule": "1f1b", "stages_per_rank": 2}, ValueError, "stages_per_rank"),
+    ("device-unknown", {"devices": ["cpu", "tpu:0"]}, ValueError, "unknown device 'tpu:0'"),
+    ("devices-empty", {"devices": []}, ValueError, "non-empty list"),
+    ("devices-string", {"devices": "cpu"}, ValueError, "non-empty list, one per pipeline rank, got 'cpu'"),
+    ("timeout", {"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
+    ("overlap", {"overlap": "yes"}, TypeError, r"overlap must be a bool, got str \('yes'\)"),
+    ("checkpoint", {"checkpoint": "sometimes"}, ValueError, "checkpoint must be one of"),
+    ("recompute", {"recompute": "all"}, ValueError, "recompute must be 'none' or 'selective', got 'all'"),
+    ("wire-dtype", {"wire_dtype": torch.int8}, ValueError, "wire_dtype must be None or one of"),
+    ("tied-weights", {"model": _tied(), "balance": [2, 2]}, ValueError, "shared by stages 0 and 1"),
+    ("plan-type", {"plan": "fast"}, TypeError, "plan must be a fastpipe.Plan"),
+]
+
+
+@pytest.mark.parametrize("case", CONSTRUCTION, ids=[c[0] for c in CONSTRUCTION])
+def test_construction_errors(case):
+    _, kwargs, exc, pattern = case
+    kwargs = dict(kwargs)
+    model = kwargs.pop("model", None)
+    kwargs.setdefault("devices", CPU2)
+    kwargs.setdefault("chunks", 2)
+    with pytest.raises(exc, match=pattern):
+        Pipe(model if model is not None else mlp(), **kwargs)
+
+
+STEP = [
+    ("batch-smaller-than-chunks", {"chunks": 4}, (X[:3], Y[:3]), ValueError,
+     r"batch of 3 rows cannot be split into chunks=4"),
+    ("batch-mismatch", {"chunks": 2}, (X, Y[:6]), ValueError, "different batch sizes: 8 and 6"),
+    ("input-not-tensor", {"chunks": 2}, ([1.0, 2.0], Y), TypeError, "tensor or a non-empty tuple of tensors, got list"),
+    ("tuple-member-sizes", {"chunks": 2}, ((X, X[:4]), Y), ValueError, r"different batch sizes: \[4, 8\]"),
+]
+
+
+@pytest.mark.parametrize("case", STEP, ids=[c[0] for c in STEP])
+def test_step_input_errors(case):
+    _, kwargs, (x, y), exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        _step({"devices": CPU2, **kwargs}, x, y)
+
+
+def test_loss_fn_that_is_not_a_scalar():
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor, got \(4, 3\)"):
+        _step({"devices": CPU2, "chunks": 2}, X, Y, loss_fn=lambda out, t: (out - t) ** 2)
+
+
+def test_loss_fn_not_callable():
+    with pytest.raises(TypeError, match="loss_fn must be callable, got str"):
+        _step({"devices": CPU2, "chunks": 2}, X, Y, loss_fn="mse")
+
+
+def test_step_inside_no_grad():
+    pipe = Pipe(mlp(), chunks=2, devices=CPU2)
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"inside torch.no_grad\(\)"):
+            pipe.step(X, Y, F.mse_loss)
+    finally:
+        pipe.close()
+
+
+def test_stage_that_returns_something_else():
+    class Bad(nn.Module):
+        def forward(self, x):
+            return {"h": x}
+
+    model = nn.Sequential(nn.Linear(5, 5), Bad(), nn.Linear(5, 3)).double()
+    with pytest.raises(TypeError, match="a stage must return a tensor or a tuple.*got dict"):
+        _step({"devices": CPU2, "chunks": 2, "balance": [2, 1]}, X, Y, model=model)
+
+
+def test_failed_step_leaves_parameters_as_they_were():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError):
+        _step({"devices": CPU2, "chunks": 2}, X, Y, loss_fn=lambda out, t: out, model=model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

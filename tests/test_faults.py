@@ -1,0 +1,177 @@
+"""Reliability: every rank ends with a clear error, fast, and no process is left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe import Pipe
+from tests.models import mlp
+
+pytestmark = pytest.mark.multiprocess
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 10.0  # Pipe(timeout=...) in the workers
+
+
+def _run(case: dict, tmp: Path, world: int = 2) -> tuple[list[dict | None], list[int]]:
+    case = {"timeout": TIMEOUT, **case}
+    path = tmp / "case.pt"
+    torch.save(case, path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests._fault_worker", str(r), str(world),
+                          f"file://{tmp / 'rdv'}", str(path), str(tmp / f"r{r}.pt")],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=3 * TIMEOUT + 30)[0])
+    finally:
+        for p in procs:  # a hang fails the test instead of blocking CI
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+                raise AssertionError("a rank did not exit:\n" + "\n".join(logs))
+    out = []
+    for r in range(world):
+        f = tmp / f"r{r}.pt"
+        out.append(torch.load(f, weights_only=False) if f.exists() else None)
+    return out, [p.returncode for p in procs]
+
+
+def _failed_fast(res: dict, kind: str, *words: str) -> None:
+    assert res is not None and not res["ok"], res
+    assert res["type"] == kind, res["trace"]
+    for w in words:
+        assert w in res["message"], (w, res["message"])
+    assert res["elapsed"] < TIMEOUT, res  # the abort notice beats the timeout
+
+
+@pytest.mark.timeout(120)
+def test_forward_error_on_one_rank_fails_both(tmp_path):
+    (r0, r1), codes = _run({"fault": "forward", "rank": 1, "stage": 1, "at": 1}, tmp_path)
+    _failed_fast(r1, "ValueError", "boom in forward")
+    _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "boom in forward")
+    assert len(r0["losses"]) == len(r1["losses"]) == 1  # step 0 went through
+    assert codes == [0, 0]
+
+
+@pytest.mark.timeout(120)
+def test_backward_error_on_the_other_rank_fails_both(tmp_path):
+    (r0, r1), _ = _run({"fault": "backward", "rank": 0, "stage": 0, "at": 0}, tmp_path)
+    _failed_fast(r0, "RuntimeError", "boom in backward")
+    _failed_fast(r1, "PeerError", "pipeline rank 0 failed", "boom in backward")
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_is_named_by_its_peer(tmp_path):
+    (r0, r1), codes = _run({"fault": "kill", "rank": 1, "stage": 1, "at": 1}, tmp_path)
+    assert r1 is None and codes[1] == -9
+    assert r0 is not None and not r0["ok"]
+    assert r0["type"] in ("PeerError", "TimeoutError"), r0["trace"]
+    assert "rank 1" in r0["message"]
+    assert r0["elapsed"] < TIMEOUT + 5
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting,values", [("chunks", (4, 2)), ("schedule", ("1f1b", "gpipe")),
+                                            ("balance", ([2, 3], [3, 2]))])
+def test_ranks_that_disagree_fail_at_construction(tmp_path, setting, values):
+    per_rank = {r: {setting: v} for r, v in enumerate(values)}
+    (r0, r1), _ = _run({"fault": "none", "per_rank": per_rank}, tmp_path)
+    for res in (r0, r1):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert f"disagree on {setting}" in res["message"] and "rank 1" in res["message"]
+        assert res["losses"] == []  # before any step
+
+
+@pytest.mark.timeout(120)
+def test_nan_loss_is_a_value(tmp_path):
+    (r0, r1), _ = _run({"fault": "nan"}, tmp_path)
+    assert r0["ok"] and r1["ok"]
+    assert all(v != v for v in r0["losses"]) and r0["losses"] == r0["losses"]  # NaN on every step
+    assert len(r1["losses"]) == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_may_change_its_tensors_between_steps(tmp_path):
+    # Two tensors cross the boundary in step 0, three from step 1 on: each
+    # message carries its own layout, so the pipeline neither hangs nor breaks.
+    (r0, r1), _ = _run({"fault": "shape", "at": 1}, tmp_path)
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    assert r0["losses"] == pytest.approx(r1["losses"])
+
+
+# --- local mode ------------------------------------------------------------------
+
+
+def test_local_keyboard_interrupt_then_the_next_step_works():
+    import _thread
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.05)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), Slow(), nn.Linear(5, 3)).double()
+    pipe = Pipe(model, chunks=4, devices=["cpu", "cpu"], balance=[2, 1])
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    timer = threading.Timer(0.1, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pipe.step(x, y, nn.functional.mse_loss)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # untouched
+        model.zero_grad()
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        assert torch.isfinite(loss)
+    finally:
+        timer.cancel()
+        pipe.close()
+
+
+def test_local_error_reaches_the_caller_and_the_pipe_recovers():
+    class Flaky(nn.Module):
+        fail = True
+
+        def forward(self, x):
+            if Flaky.fail:
+                raise ValueError("flaky layer")
+            return x
+
+    model = nn.Sequential(nn.Linear(5, 5), Flaky(), nn.Linear(5, 3)).double()
+    pipe = Pipe(model, chunks=2, devices=["cpu", "cpu"], balance=[1, 2])
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    try:
+        with pytest.raises(ValueError, match="flaky layer"):
+            pipe.step(x, y, nn.functional.mse_loss)
+        Flaky.fail = False
+        model.zero_grad()
+        assert torch.isfinite(pipe.step(x, y, nn.functional.mse_loss))
+    finally:
+        pipe.close()
+
+
+def test_interpreter_exits_with_a_lane_stuck_in_a_long_wait():
+    code = (
+        "import time, fastpipe._C as C\n"
+        "r = C.HostRing(2)\n"
+        "r.submit(0, lambda: time.sleep(60))\n"
+        "time.sleep(0.1)\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 15  # a 1 s grace, not the task's 60 s
