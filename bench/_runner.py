@@ -25,3 +25,19 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int, sync: Calla
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def workload_parser(prog: str, doc: str | None, schedules: list[str]):
+    """The command line the pipelining benchmarks share: workload, repeats, warm-up, schedules."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc)
+    parser.add_argument("--workload", choices=["compute", "overhead", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--schedules", default=",".join(schedules))
+    return parser
+
+
+def workloads(args) -> list[str]:
+    return ["compute", "overhead"] if args.workload == "both" else [args.workload]

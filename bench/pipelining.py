@@ -13,14 +13,13 @@ order); "inline/lanes" is the lanes' own contribution.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench._runner import median_time, spawn
+from bench._runner import median_time, spawn, workload_parser, workloads
 
 WORKLOADS = {
     # name: (width, blocks, batch, microbatches)
@@ -142,13 +141,7 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: i
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench pipelining", description=__doc__)
-    parser.add_argument("--workload", choices=["compute", "overhead", "both"], default="both")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    args = parser.parse_args(argv)
-    workloads = ["compute", "overhead"] if args.workload == "both" else [args.workload]
-    for w in workloads:
+    args = workload_parser("python -m bench pipelining", __doc__, SCHEDULES).parse_args(argv)
+    for w in workloads(args):
         run(w, args.repeats, args.warmup, args.schedules.split(","))
     return 0

@@ -60,22 +60,32 @@ def backward_full(roots: Sequence[Root], grads: Sequence[torch.Tensor | None]) -
         torch.autograd.backward(list(roots), list(grads))
 
 
-def _reach(roots: list[Node], targets: set[Node]) -> dict[Node, bool]:
-    """For every node reachable from ``roots``: can it reach one of ``targets``?"""
-    memo: dict[Node, bool] = {}
+def _graph(roots: list[Node]) -> tuple[dict[Node, list[Node]], list[Node]]:
+    """Every node reachable from ``roots`` with its children (read once: each
+    ``next_functions`` access builds a new tuple), and a post-order of them."""
+    children: dict[Node, list[Node]] = {}
+    order: list[Node] = []
     # Iterative post-order DFS: stage graphs can be deep (thousands of nodes).
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
     while stack:
         node, expanded = stack.pop()
-        if node in memo and not expanded:
-            continue
-        children = [n for n, _ in node.next_functions if n is not None]
         if expanded:
-            memo[node] = node in targets or any(memo.get(c, False) for c in children)
+            order.append(node)
             continue
-        memo.setdefault(node, node in targets)
+        if node in children:
+            continue
+        kids = [n for n, _ in node.next_functions if n is not None]
+        children[node] = kids
         stack.append((node, True))
-        stack.extend((c, False) for c in children if c not in memo)
+        stack.extend((c, False) for c in kids if c not in children)
+    return children, order
+
+
+def _reach(children: dict[Node, list[Node]], order: list[Node], targets: set[Node]) -> dict[Node, bool]:
+    """For every node of the graph: can it reach one of ``targets``?"""
+    memo: dict[Node, bool] = {}
+    for node in order:  # children come before their parents
+        memo[node] = node in targets or any(memo.get(c, False) for c in children[node])
     return memo
 
 
@@ -95,8 +105,9 @@ def backward_input(
     root_nodes = [n for n in map(_node, roots) if n is not None]
     by_node = {get_gradient_edge(p).node: p for p in params if p.requires_grad}
     input_nodes = {get_gradient_edge(t).node for t in inputs if t.requires_grad}
-    to_input = _reach(root_nodes, input_nodes)
-    to_param = _reach(root_nodes, set(by_node))
+    children, order = _graph(root_nodes)
+    to_input = _reach(children, order, input_nodes)
+    to_param = _reach(children, order, set(by_node))
 
     def weight_only(node: Node | None) -> bool:
         return node is not None and to_param.get(node, False) and not to_input.get(node, False)
@@ -107,9 +118,9 @@ def backward_input(
     for node, reaches_input in to_input.items():
         if not reaches_input:
             continue
-        branches = [c for c, _ in node.next_functions if weight_only(c)]
+        branches = [c for c in children[node] if weight_only(c)]
         if branches:
-            cut_params[node] = _params_below(branches, by_node)
+            cut_params[node] = _params_below(branches, by_node, children)
     if _shared_between_cuts(cut_params):
         # A weight used twice in the stage is reachable from an upper cut
         # through the input path, so restarting there would count the lower
@@ -134,11 +145,12 @@ def backward_input(
         node = _node(root)
         if weight_only(node):
             g = grad if grad is not None else torch.ones_like(root)  # None only for a loss tensor
-            work.groups.append(WeightGroup([_edge(root)], [g], _params_below([node], by_node)))
+            work.groups.append(WeightGroup([_edge(root)], [g], _params_below([node], by_node, children)))
     return input_grads, work
 
 
-def _params_below(nodes: list[Node], by_node: dict[Node, torch.Tensor]) -> list[torch.Tensor]:
+def _params_below(nodes: list[Node], by_node: dict[Node, torch.Tensor],
+                  children: dict[Node, list[Node]]) -> list[torch.Tensor]:
     """Parameters whose AccumulateGrad is reachable from ``nodes``."""
     seen: set[Node] = set()
     found: list[torch.Tensor] = []
@@ -150,7 +162,7 @@ def _params_below(nodes: list[Node], by_node: dict[Node, torch.Tensor]) -> list[
         seen.add(node)
         if node in by_node:
             found.append(by_node[node])
-        stack.extend(c for c, _ in node.next_functions if c is not None and c not in seen)
+        stack.extend(c for c in children[node] if c not in seen)
     return found
 
 
