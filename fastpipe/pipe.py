@@ -67,9 +67,12 @@ class Pipe(nn.Module):
             before raising TimeoutError.
         overlap: run communication on lanes of fastpipe's native ring (send,
             send completion, receive posting, receive completion), so compute
-            never waits for a send and receives are posted ahead into a
-            bounded buffer ring. ``False`` runs every transfer inline, in
-            schedule order (useful for debugging and as a baseline).
+            never waits for a send. ``False`` runs transfers on the compute
+            thread: sends when the schedule says, receives posted ahead from
+            a window as buffer slots free up. ``None`` (default): lanes when
+            the pipeline's devices are not CPUs; on CPUs the thread hand-offs
+            cost more than they hide (``python -m bench pipelining`` measures
+            both).
         checkpoint: ``"never"`` (default), ``"except_last"`` or ``"always"``:
             which microbatches forget their stage activations in forward and
             recompute them in backward (torchgpipe's modes; the last
@@ -113,7 +116,7 @@ class Pipe(nn.Module):
         stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None,
         timeout: float = 300.0,
-        overlap: bool = True,
+        overlap: bool | None = None,
         checkpoint: str = "never",
         recompute: str = "none",
         wire_dtype: torch.dtype | None = None,
@@ -130,9 +133,8 @@ class Pipe(nn.Module):
         self.module = model
         self.chunks = chunks
         self.timeout = _check_timeout(timeout)
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__} ({overlap!r})")
-        self.overlap = overlap
+        if overlap is not None and not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool or None, got {type(overlap).__name__} ({overlap!r})")
         self.checkpoint = check_mode(checkpoint)
         if recompute not in ("none", "selective"):
             raise ValueError(f"recompute must be 'none' or 'selective', got {recompute!r}")
@@ -149,6 +151,7 @@ class Pipe(nn.Module):
         ranks = dist.get_world_size(group) if self.distributed else None
         self.devices = _resolve_devices(devices, ranks, self.distributed, group)
         ranks = len(self.devices) if ranks is None else ranks
+        self.overlap = overlap if overlap is not None else any(d.type != "cpu" for d in self.devices)
         self.schedule = _resolve_schedule(schedule, ranks, chunks, stages_per_rank)
         self.rank = dist.get_rank(group) if self.distributed else None
         self._lowered = lower(self.schedule)

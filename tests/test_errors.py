@@ -49,7 +49,7 @@ CONSTRUCTION = [
     ("devices-empty", {"devices": []}, ValueError, "non-empty list"),
     ("devices-string", {"devices": "cpu"}, ValueError, "non-empty list, one per pipeline rank, got 'cpu'"),
     ("timeout", {"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
-    ("overlap", {"overlap": "yes"}, TypeError, r"overlap must be a bool, got str \('yes'\)"),
+    ("overlap", {"overlap": "yes"}, TypeError, r"overlap must be a bool or None, got str \(.yes.\)"),
     ("checkpoint", {"checkpoint": "sometimes"}, ValueError, "checkpoint must be one of"),
     ("recompute", {"recompute": "all"}, ValueError, "recompute must be 'none' or 'selective', got 'all'"),
     ("wire-dtype", {"wire_dtype": torch.int8}, ValueError, "wire_dtype must be None or one of"),

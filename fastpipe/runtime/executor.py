@@ -54,6 +54,9 @@ class Stage:
     params: list[torch.Tensor] = field(init=False)
 
     stochastic: bool = field(init=False)  # holds dropout-like layers
+    # Saved-activation bytes of a forward, by (kind, input shapes and dtypes):
+    # counted with hooks the first time, then looked up (hooks cost ~5 %).
+    saved_bytes: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -145,9 +148,9 @@ class RankExecutor:
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
         if self._ahead:
-            # Hand every receive of the step to the lanes now: each is posted
-            # as soon as its buffer ring has a slot, so the sender's message
-            # lands when it is sent instead of waiting for the consumer.
+            # Hand every receive of the step to the transport now: each is
+            # posted as soon as its buffer ring has a slot, so the sender's
+            # message lands when it is sent instead of waiting for the consumer.
             for action in self.actions:
                 if action.kind in (Kind.RECV_F, Kind.RECV_B):
                     self._post(action)
@@ -285,16 +288,23 @@ class RankExecutor:
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
         ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
+        shape_key = ("F", ckpt, *[(t.shape, t.dtype) for t in leaves]) if self._train else None
+        known = stage.saved_bytes.get(shape_key) if self._train else None
         start = self._saved_bytes.total
         with guarded(self.rng_lock if stage.stochastic else None):
             rng = RngState.capture(stage.device) if ckpt else None
-            with self._saved_bytes.counting() if self._train else nullcontext():
+            counting = self._train and known is None
+            with self._saved_bytes.counting() if counting else nullcontext():
                 with forgetful() if ckpt else nullcontext():
                     out = stage.module(unflatten(leaves, spec))
                     loss = self._loss(mb, out) if last and self._train else None
         if self._train:
-            if ckpt:  # the kept input is what a checkpointed microbatch holds
-                self._saved_bytes.total += sum(t.numel() * t.element_size() for t in leaves)
+            if known is not None:
+                self._saved_bytes.total += known
+            else:
+                if ckpt:  # the kept input is what a checkpointed microbatch holds
+                    self._saved_bytes.total += sum(t.numel() * t.element_size() for t in leaves)
+                stage.saved_bytes[shape_key] = self._saved_bytes.total - start
             self._count((a.stage, mb), start)
         if last:
             self._finish_forward(mb, out, loss, leaves, rng, spec)
@@ -329,8 +339,11 @@ class RankExecutor:
     def _recompute(self, stage_index: int, mb: int, saved: _Saved) -> None:
         """A checkpointed microbatch: its forward again, now keeping the graph."""
         stage = self.stages[stage_index]
+        shape_key = ("R", *[(t.shape, t.dtype) for t in saved.leaves])
+        known = stage.saved_bytes.get(shape_key)
         start = self._saved_bytes.total
-        with recompute(saved.rng, self.rng_lock if stage.stochastic else None), self._saved_bytes.counting():
+        counting = self._saved_bytes.counting() if known is None else nullcontext()
+        with recompute(saved.rng, self.rng_lock if stage.stochastic else None), counting:
             out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
                 saved.roots = [self._loss(mb, out) / self.schedule.microbatches]
@@ -338,6 +351,10 @@ class RankExecutor:
                 tensors, _ = flatten(out)
                 saved.roots = [get_gradient_edge(t) for t in tensors if needs_grad(t)]
         saved.rng = None
+        if known is not None:
+            self._saved_bytes.total += known
+        else:
+            stage.saved_bytes[shape_key] = self._saved_bytes.total - start
         self._count((stage_index, mb), start)
 
     def _grads_for(self, stage: int, mb: int) -> _Saved:

@@ -26,8 +26,10 @@ native ring, so the compute thread never blocks on it:
     compute ──F──► send lane: pack + isend ──► send-done lane: wait, free slot
     post lane: take a slot, irecv ──► recv-done lane: wait, unpack ──► compute
 
-Without lanes every operation runs inline on the compute thread, in list
-order (the plain executor the benchmarks compare against).
+Without lanes every operation runs inline on the compute thread: sends go
+out when the schedule says, and receives are posted from a window, in
+schedule order, as soon as a buffer slot is free (so a message can land
+before its consumer asks for it) and waited for by their consumer.
 
 ``key`` is ``(direction, stage, microbatch)``: ``"F"`` for activations going
 to ``stage``, ``"B"`` for gradients going to ``stage``. Keys make matching
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+from collections import deque
 import threading
 import time
 from collections.abc import Sequence
@@ -276,8 +279,12 @@ class _DistRecv:
     def wait(self) -> Payload:
         if self._event is not None:
             tensors, spec, self._slot = self._event.wait()
-        else:
-            tensors, spec, self._slot = self.transport._complete(self._posted, self.src, self.key)
+            return tensors, spec
+        if self._posted is None:  # still in the window's queue: post it now
+            self.transport._pump()
+            if self._posted is None:
+                raise AssertionError(f"receive of {_describe(self.key)} found no free buffer slot")
+        tensors, spec, self._slot = self.transport._complete(self._posted, self.src, self.key)
         return tensors, spec
 
     def release(self) -> None:
@@ -286,6 +293,8 @@ class _DistRecv:
             ring, slot = self._slot
             self._slot = None
             ring.put(slot)
+            if self._event is None:
+                self.transport._pump()  # a slot is free: post the next receive
 
 
 @dataclass
@@ -321,10 +330,9 @@ class DistTransport:
     _events: list = field(default_factory=list)  # this step's lane tasks
     _expected: list = field(default_factory=list)  # this step's receives: [(key, src)]
     _posted: set = field(default_factory=set)  # keys whose receive was posted
+    _window: deque = field(default_factory=deque)  # inline: receives not posted yet
 
-    @property
-    def posts_ahead(self) -> bool:
-        return self.lanes is not None
+    posts_ahead = True  # every receive of a step is handed over when it starts
 
     stage_to_rank: tuple = ()  # the schedule's placement (set by the Pipe)
 
@@ -355,6 +363,7 @@ class DistTransport:
         self._sends = []
         self._events = []
         self._posted = set()
+        self._window = deque()
         self._expected = []
         for a in actions:
             if a.kind is Kind.RECV_F:
@@ -421,7 +430,12 @@ class DistTransport:
 
     def recv(self, src: int, key: Key) -> _DistRecv:
         if self.lanes is None:
-            return _DistRecv(self, src, key, posted=self._post(src, key))
+            # Inline: receives wait in a queue, in schedule order, and are posted
+            # on this thread as soon as their stream's ring has a free slot.
+            pending = _DistRecv(self, src, key)
+            self._window.append(pending)
+            self._pump()
+            return pending
         ring = self.lanes.ring
         posted = ring.submit(self.lanes.post, lambda: self._post(src, key))
         done = ring.submit(
@@ -429,6 +443,20 @@ class DistTransport:
         )
         self._events += (posted, done)
         return _DistRecv(self, src, key, event=done)
+
+    def _pump(self) -> None:
+        """Posts queued receives, oldest first, while their rings have free slots.
+
+        Stops at the first receive whose ring is full, so receives are posted
+        in schedule order (the order the peer sends in).
+        """
+        while self._window:
+            pending = self._window[0]
+            ring = self._rings[pending.key[:2]]
+            if ring.held >= ring.size:
+                return
+            self._window.popleft()
+            pending._posted = self._post(pending.src, pending.key)
 
     def _post(self, src: int, key: Key) -> _Posted:
         ring = self._rings[key[:2]]
