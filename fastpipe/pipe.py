@@ -138,10 +138,6 @@ class Pipe(nn.Module):
         self.checkpoint = check_mode(checkpoint)
         if recompute not in ("none", "selective"):
             raise ValueError(f"recompute must be 'none' or 'selective', got {recompute!r}")
-        if recompute == "selective":
-            from fastpipe.kernels import selective_recompute
-
-            selective_recompute(model)
         self.recompute = recompute
         check_wire(wire_dtype)
         check_wire(grad_wire_dtype)
@@ -157,15 +153,18 @@ class Pipe(nn.Module):
         self._lowered = lower(self.schedule)
         self._forward_only = lower(_forward_schedule(self.schedule))
         self._memory: dict[int, int] = {}  # rank -> peak saved-activation bytes of the last step
-        if isinstance(balance, str):
-            if balance != "auto":
-                raise ValueError(f"balance must be a list of ints, None or 'auto', got {balance!r}")
-            _resolve_balance(None, model, self.schedule.stages)  # enough layers?
-            self.balance, self._stages = None, None  # split at the first step
-        else:
-            self.balance = _resolve_balance(balance, model, self.schedule.stages)
-            _check_no_shared_params(model, self.balance)
-            self._stages = self._build_stages()
+        if isinstance(balance, str) and balance != "auto":
+            raise ValueError(f"balance must be a list of ints, None or 'auto', got {balance!r}")
+        auto = balance == "auto"  # split at the first step, by measured time
+        resolved = _resolve_balance(None if auto else balance, model, self.schedule.stages)
+        if not auto:
+            _check_no_shared_params(model, resolved)
+        if recompute == "selective":  # changes the user's model in place: after every check
+            from fastpipe.kernels import selective_recompute
+
+            selective_recompute(model)
+        self.balance = None if auto else resolved
+        self._stages = None if auto else self._build_stages()
         self._ring = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:

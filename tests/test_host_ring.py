@@ -283,11 +283,12 @@ def test_cuda_backend_is_built_when_headers_exist():
 
 
 def test_close_with_grace_leaves_a_stuck_lane_behind():
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     r = HostRing(2)
-    done = r.submit(0, lambda: gate.wait(30) and "finished")
+    done = r.submit(0, lambda: (started.set(), gate.wait(30))[1] and "finished")
     quick = r.submit(1, lambda: 7)
     assert quick.wait(5) == 7
+    assert started.wait(5)  # running, so close() cannot cancel it
     t0 = time.monotonic()
     r.close(cancel_pending=True, grace=0.2)
     assert time.monotonic() - t0 < 5  # did not wait for the stuck task

@@ -180,13 +180,16 @@ def test_bf16_wire_trains_like_fp32(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_soak_200_steps_leaks_nothing(tmp_path):
-    """200 Adam steps of the demo model on 2 ranks: after 20 steps of warm-up,
-    resident memory stays flat and threads, file descriptors and live tensors
-    are the same at the end."""
-    cases = [{"soak": True, "schedule": "zbv", "steps": 200, "warmup": 20, "batch": 32}]
+    """200 Adam steps of the demo model on 2 ranks: threads, file descriptors and
+    live tensors are the same from step 40 to the end, and resident memory has
+    no trend (the allocator makes it swing by some 25 MiB from step to step:
+    the peak of the last 60 steps may not exceed the peak of steps 40-100 by
+    more than 10 MiB, which a leak of 100 KiB a step would)."""
+    cases = [{"soak": True, "schedule": "zbv", "steps": 200, "every": 20, "batch": 32}]
     for rank_results in _spawn(2, cases, tmp_path, timeout=360):
         marks = rank_results[0]["marks"]
-        start, end = marks[20], marks[200]
-        assert end["rss"] - start["rss"] < 16 * 2**20, (start, end)
+        early = [marks[s]["rss"] for s in (40, 60, 80, 100)]
+        late = [marks[s]["rss"] for s in (160, 180, 200)]
+        assert max(late) - max(early) < 10 * 2**20, marks
         for what in ("threads", "py_threads", "fds", "tensors"):
-            assert end[what] == start[what], (what, start, end)
+            assert marks[200][what] == marks[40][what], (what, marks[40], marks[200])
