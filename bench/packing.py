@@ -63,33 +63,39 @@ def _tag(transport: DistTransport, key, i: int) -> int:
 
 
 class UnpackedTransport(DistTransport):
-    """The same executor, one isend/irecv per tensor (shapes learnt on the first step).
+    """The same executor, one isend/irecv per tensor from the second step on.
 
-    The first step of a stream goes packed (it carries the layout); from then
-    on each tensor is its own message into a preallocated tensor, as
-    per-tensor libraries do after their shape handshake.
+    The first step goes packed and records each stream's tensors (shapes,
+    dtypes, grad flags, structure); later steps send each tensor as its own
+    message into a preallocated tensor, as per-tensor libraries do after
+    their shape handshake.
     """
 
-    _layouts: dict
+    _steps = 0
+
+    def begin(self, actions):
+        super().begin(actions)
+        self._steps += 1
+        if not hasattr(self, "_layouts"):
+            self._layouts, self._specs = {}, {}
+
+    def _unpacked(self, key) -> bool:
+        return self._steps > 1 and key[:2] in self._layouts
 
     def _issue(self, tensors, spec, dst, key):
-        if not hasattr(self, "_layouts"):
-            self._layouts = {}
-        stream = key[:2]
-        if stream not in self._layouts:
-            self._layouts[stream] = [t.shape for t in tensors]
+        if not self._unpacked(key):
+            self._layouts[key[:2]] = [
+                {"shape": t.shape, "dtype": t.dtype, "grad": t.requires_grad} for t in tensors
+            ]
             return super()._issue(tensors, spec, dst, key)
         peer = self.peer(dst)
         return [(dist.isend(t.detach().contiguous(), dst=peer, group=self.group, tag=_tag(self, key, i)),
                  t, None, -1, dst) for i, t in enumerate(tensors)]
 
     def _post(self, src, key):
-        if not hasattr(self, "_layouts"):
-            self._layouts = {}
-        stream = key[:2]
-        if stream not in self._layouts:
+        if not self._unpacked(key):
             return super()._post(src, key)
-        layout = self._layouts[stream]
+        layout = self._layouts[key[:2]]
         bufs = [torch.empty(spec["shape"], dtype=spec["dtype"]) for spec in layout]
         works = [dist.irecv(b, src=self.peer(src), group=self.group, tag=_tag(self, key, i))
                  for i, b in enumerate(bufs)]
@@ -101,7 +107,6 @@ class UnpackedTransport(DistTransport):
             self._layouts[key[:2]] = [
                 {"shape": t.shape, "dtype": t.dtype, "grad": t.requires_grad} for t in tensors
             ]
-            self._specs = getattr(self, "_specs", {})
             self._specs[key[:2]] = spec
             return tensors, spec, held
         works, bufs, layout = posted
@@ -139,7 +144,7 @@ def _rank_main(rank, world, init, queue, width, repeats):
             if name == "unpacked":
                 t = pipe._transport(rank, None)
                 pipe._dist_transport = UnpackedTransport(t.group, t.device, t.stages, t.timeout, None,
-                                                         t.wire)
+                                                         t.wire, stage_to_rank=t.stage_to_rank)
             times[name] = median_time(lambda: pipe.step(x, y, nn.functional.mse_loss), 3, repeats,
                                       dist.barrier)
     finally:
