@@ -270,8 +270,10 @@ class Pipe(nn.Module):
 
     def _transport(self, rank: int, mailbox: Mailbox | None):
         if self.distributed:
-            if self._dist_transport is None:  # kept: it learns buffer sizes across steps
-                lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
+            lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
+            if self._dist_transport is not None:  # kept: both ends learnt the same sizes
+                self._dist_transport.lanes = lanes  # the ring is new after close()
+            else:
                 self._dist_transport = DistTransport(
                     self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
                     self._wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
@@ -443,7 +445,6 @@ class Pipe(nn.Module):
         if self._ring is not None:
             self._ring.close()
             self._ring = None
-            self._dist_transport = None  # its lanes were on that ring
 
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "
