@@ -13,6 +13,13 @@ def grid1d(n: int, block: int = BLOCK) -> tuple[int]:
 
 
 @triton.jit
+def block(N, BLOCK: tl.constexpr):
+    """(offsets, mask) of this program's block of a flat range of N elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return offs, offs < N
+
+
+@triton.jit
 def to_bf16_rne(x):
     """fp32 -> bf16 with round-to-nearest-even, written out so it does not depend
     on the backend's conversion (the interpreter's truncates)."""

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import BLOCK, grid1d, is_bf16, store
+from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, store
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 _CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -63,8 +63,7 @@ def _act_fwd_kernel(
     OUT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    offs, mask = block(N, BLOCK)
     h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     a, _ = _act_and_grad(h, ACT)
     store(A + offs, a, mask, OUT_BF16)
@@ -81,8 +80,7 @@ def _act_bwd_kernel(
     OUT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    offs, mask = block(N, BLOCK)
     h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     da = tl.load(DA + offs, mask=mask, other=0.0).to(tl.float32)
     a, g = _act_and_grad(h, ACT)

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import nn
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import BLOCK, grid1d, is_bf16, store
+from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, store
 
 _M32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -37,8 +37,7 @@ def _dropout_kernel(
 ):
     """Y = X * keep * scale with keep regenerated from (seed, element index);
     the same kernel serves forward (X = input) and backward (X = grad)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    offs, mask = block(N, BLOCK)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     keep = tl.rand(seed, offs) >= p
     store(Y + offs, tl.where(keep, x * scale, 0.0), mask, OUT_BF16)

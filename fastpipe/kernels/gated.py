@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import BLOCK, grid1d, is_bf16, store
+from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, store
 from fastpipe.kernels.activation import _CODE, _act_and_grad
 
 
@@ -31,8 +31,7 @@ def _gated_fwd_kernel(
     OUT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    offs, mask = block(N, BLOCK)
     row, col = offs // H, offs % H
     gate = tl.load(X + row * 2 * H + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * 2 * H + H + col, mask=mask, other=0.0).to(tl.float32)
@@ -51,8 +50,7 @@ def _gated_bwd_kernel(
     OUT_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    offs, mask = block(N, BLOCK)
     row, col = offs // H, offs % H
     g_at, u_at = row * 2 * H + col, row * 2 * H + H + col
     gate = tl.load(X + g_at, mask=mask, other=0.0).to(tl.float32)

@@ -90,18 +90,22 @@ def _wire_ptr(addr, WIRE: tl.constexpr):
 
 
 @triton.jit
+def _table_row(TABLE, BLOCK: tl.constexpr):
+    """This program's tensor (axis 0) and block of it (axis 1): its table row,
+    element offsets and mask."""
+    t = tl.program_id(0)
+    n = tl.load(TABLE + t * 4 + 2)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(TABLE + t * 4), tl.load(TABLE + t * 4 + 1), tl.load(TABLE + t * 4 + 3), offs, offs < n
+
+
+@triton.jit
 def _pack_kernel(
     TABLE,
     WIRE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    src_addr = tl.load(TABLE + t * 4)
-    dst_addr = tl.load(TABLE + t * 4 + 1)
-    n = tl.load(TABLE + t * 4 + 2)
-    code = tl.load(TABLE + t * 4 + 3)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    src_addr, dst_addr, code, offs, mask = _table_row(TABLE, BLOCK)
     if code == 0:
         v = tl.load(src_addr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask)
         tl.store(dst_addr.to(tl.pointer_type(tl.uint8)) + offs, v, mask=mask)
@@ -124,13 +128,7 @@ def _unpack_kernel(
     WIRE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    src_addr = tl.load(TABLE + t * 4)
-    dst_addr = tl.load(TABLE + t * 4 + 1)
-    n = tl.load(TABLE + t * 4 + 2)
-    code = tl.load(TABLE + t * 4 + 3)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+    src_addr, dst_addr, code, offs, mask = _table_row(TABLE, BLOCK)
     x = _decode(tl.load(_wire_ptr(src_addr, WIRE) + offs, mask=mask), WIRE)
     if code == 2:
         tl.store(dst_addr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
