@@ -1,8 +1,11 @@
 """Cost of the zero-bubble backward split: I + W against one plain B.
 
 The stage is half of the compute-bound pipelining model (4 MLP blocks,
-d=512) on one microbatch of the pipelining benchmark (8 rows), one thread.
-B, I and W are timed in alternation so drift hits both sides alike.
+d=512) on one microbatch of the pipelining benchmark (8 rows), one thread,
+measured twice: as a later stage (its input needs a gradient, I computes
+it) and as the first stage (the model's input needs none: I has nothing to
+do and W runs the whole backward). B, I and W are timed in alternation so
+drift hits both sides alike.
 
     python -m bench iw_split [--repeats N] [--rows R]
 """
@@ -27,21 +30,22 @@ def _stage(width: int, blocks: int) -> nn.Sequential:
     )
 
 
-def measure(rows: int, width: int, blocks: int, repeats: int) -> tuple[float, float, float]:
+def measure(rows: int, width: int, blocks: int, repeats: int,
+            input_grad: bool = True) -> tuple[float, float, float]:
     """Median seconds of (B, I, W) for one microbatch through one stage."""
     stage = _stage(width, blocks)
     params = list(stage.parameters())
     x = torch.randn(rows, width)
     b_times, i_times, w_times = [], [], []
     for _ in range(repeats):
-        xi = x.clone().requires_grad_()
+        xi = x.clone().requires_grad_(input_grad)
         y = stage(xi)
         g = torch.ones_like(y)
         t0 = time.perf_counter()
         backward_full([y], [g])
         b_times.append(time.perf_counter() - t0)
 
-        xi = x.clone().requires_grad_()
+        xi = x.clone().requires_grad_(input_grad)
         y = stage(xi)
         t0 = time.perf_counter()
         _, work = backward_input([y], [g], [xi], params)
@@ -61,8 +65,9 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, default=4)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    b, i, w = measure(args.rows, args.width, args.blocks, args.repeats)
     print(f"stage: {args.blocks} MLP blocks d={args.width}, microbatch of {args.rows} rows, 1 thread")
-    print(f"  B {b * 1e3:.2f} ms   I {i * 1e3:.2f} ms   W {w * 1e3:.2f} ms   "
-          f"(I+W)/B = {(i + w) / b:.3f}")
+    for name, input_grad in (("later stage", True), ("first stage", False)):
+        b, i, w = measure(args.rows, args.width, args.blocks, args.repeats, input_grad)
+        print(f"  {name:<12} B {b * 1e3:.2f} ms   I {i * 1e3:.2f} ms   W {w * 1e3:.2f} ms   "
+              f"(I+W)/B = {(i + w) / b:.3f}")
     return 0

@@ -4,7 +4,8 @@ Both ranks profile the pipelining benchmark's compute-bound model at the same
 time (so the profile sees the same two-process contention as the pipeline),
 and measure the gloo latency of a small message. Rank 0 plans over a small
 grid (schedules × chunks, no checkpointing); then every candidate of the
-grid runs for real. The report gives, for the chosen plan, predicted /
+grid runs for real, in rounds (each round times every candidate over three
+steps; the figure is the median over rounds). The report gives, for the chosen plan, predicted /
 measured, and the chosen plan's measured time against the fastest measured.
 
     python -m bench plan [--repeats N]
@@ -83,7 +84,8 @@ def _rank_main(rank, world, init, queue, repeats):
         latency = _latency(rank)
         transfer = _transfer_cost(rank, width, batch // 8)
         dist.barrier()
-        prof = profile(model, x, chunks=max(GRID_CHUNKS), fit_rows=batch // min(GRID_CHUNKS))
+        prof = profile(model, x, chunks=max(GRID_CHUNKS), fit_rows=batch // min(GRID_CHUNKS),
+                       window=-(-blocks // world))
         box = [None]
         if rank == 0:
             box = [plan(model, x, world, schedules=GRID_SCHEDULES, chunks=GRID_CHUNKS,
@@ -91,12 +93,19 @@ def _rank_main(rank, world, init, queue, repeats):
                         prof=prof)]
         dist.broadcast_object_list(box, src=0)
         result = box[0]
-        measured = {}
-        for c in result.candidates:
-            pipe = Pipe(make_model(width, blocks), chunks=c.chunks, schedule=c.schedule,
-                        balance=list(c.balance), stages_per_rank=c.stages_per_rank)
-            measured[(c.schedule, c.chunks)] = median_time(
-                lambda: pipe.step(x, y, nn.functional.mse_loss), 2, repeats, dist.barrier)
+        # Round robin: every candidate is timed in each round, so a slow spell
+        # of the machine falls on all of them instead of on a few.
+        pipes = {(c.schedule, c.chunks): Pipe(
+            make_model(width, blocks), chunks=c.chunks, schedule=c.schedule,
+            balance=list(c.balance), stages_per_rank=c.stages_per_rank) for c in result.candidates}
+        times: dict = {key: [] for key in pipes}
+        for round_ in range(repeats):
+            for key, pipe in pipes.items():
+                times[key].append(median_time(
+                    lambda: pipe.step(x, y, nn.functional.mse_loss), 1 if round_ == 0 else 0, 3,
+                    dist.barrier))
+        measured = {key: statistics.median(t) for key, t in times.items()}
+        for pipe in pipes.values():
             pipe.close()
     finally:
         dist.destroy_process_group()

@@ -208,7 +208,11 @@ def plan(
         raise ValueError(f"unknown checkpoint modes {unknown}; valid: {list(MODES)}")
     if prof is None:
         small, large = batch // max(options), batch // min(options)
-        prof = profile(model, sample, device, max(options), fit_rows=large if large != small else None)
+        # Each rank holds about len(model) / ranks layers: time them in runs
+        # of that size, so caches see what a rank's stages put through them.
+        window = -(-len(model) // ranks)
+        prof = profile(model, sample, device, max(options),
+                       fit_rows=large if large != small else None, window=window)
     candidates = []
     for name in schedules if schedules is not None else names():
         for m in options:

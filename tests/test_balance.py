@@ -86,6 +86,29 @@ def test_profile_counts_bytes_and_times():
     assert all(p.grad is None for p in model.parameters())  # profiling leaves no grads
 
 
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_profile_windows_time_every_layer(window):
+    """Runs of consecutive layers that do not divide the model still time
+    every layer, and the bytes do not depend on how layers are grouped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Busy(2.0, 4), nn.Linear(4, 4), _Busy(2.0, 4), nn.Linear(4, 4))
+    prof = profile(model, torch.randn(8, 4), chunks=2, repeats=2, warmup=0, window=window)
+    assert [x.param_bytes for x in prof.layers] == [80] * 4  # (4 x 4 + 4) floats each
+    for busy in prof.layers[0], prof.layers[2]:
+        assert 2e-3 < busy.forward < 10e-3 and 2e-3 < busy.backward < 10e-3
+    # The sleep is on the input path, and the model's input needs no
+    # gradient (as in the executor): the first layer's W does all of it.
+    assert prof.layers[0].input_backward < 1e-3 < 2e-3 < prof.layers[0].weight_backward
+    assert 2e-3 < prof.layers[2].input_backward < 10e-3
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("window", [0, -1, 1.5, True])
+def test_profile_rejects_bad_window(window):
+    with pytest.raises(ValueError, match="window"):
+        profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(4, 4), window=window)
+
+
 def test_balance_by_time_follows_measured_cost():
     model = nn.Sequential(_Busy(1), _Busy(1), _Busy(1), _Busy(6))
     assert balance_by_time(2, model, torch.randn(4, 4)) == [3, 1]

@@ -205,18 +205,13 @@ def backward_weight(work: WeightWork) -> None:
 
     One autograd call per group: a single call from all edges would also walk
     the input path between them again (and count lower layers twice).
+    ``autograd.backward(inputs=params)`` accumulates each weight gradient into
+    ``.grad`` as soon as it is computed, like a plain backward; collecting
+    them with ``autograd.grad`` first kept every fresh gradient buffer alive
+    to the end of the call and then read it again, which made W on a stage
+    of 2048-wide Linears up to twice as slow as the whole B.
     """
     for group in work.groups:
-        if not group.params:
-            continue
-        got = torch.autograd.grad(
-            group.edges, group.params, group.grads, retain_graph=True, allow_unused=True
-        )
-        for p, g in zip(group.params, got):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+        if group.params:
+            torch.autograd.backward(group.edges, group.grads, retain_graph=True, inputs=group.params)
     work.groups.clear()
