@@ -49,6 +49,29 @@ def test_first_stage_without_input_grad_runs_all_in_w():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_weight_backward_accumulates_like_a_plain_backward(input_grad):
+    """W adds into existing ``.grad`` and fires post-accumulate hooks once per
+    parameter, as ``loss.backward()`` does (optimizer-in-backward relies on it)."""
+    torch.manual_seed(3)
+    model, ref = mlp(), mlp()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=input_grad)
+    g = torch.randn(4, 3, dtype=torch.float64)
+    backward_full([ref(x)], [g])
+    _, work = backward_input([model(x)], [g], [x], list(model.parameters()))
+    assert not fired  # I touches no parameter
+    backward_weight(work)
+    assert sorted(fired) == sorted(id(p) for p in model.parameters())
+    for a, b in zip(_grads(ref), _grads(model)):
+        torch.testing.assert_close(a, b)
+
+
 def test_weight_shared_inside_a_stage_counts_both_uses():
     torch.manual_seed(2)
     shared = nn.Linear(4, 4).double()
