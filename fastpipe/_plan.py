@@ -186,7 +186,10 @@ def plan(
         device: where to profile.
         latency: seconds a message takes from sender to receiver.
         transfer_cost: seconds each end of a message spends on it on its
-            compute thread (packing, posting, unpacking).
+            compute thread (packing, posting, unpacking). Measure it while
+            the ranks compute (``bench/plan.py``): where ranks share cores
+            with the communication threads, a message sent right after
+            compute costs several times what an idle ping-pong shows.
         prof: a ``Profile`` to reuse (profiling is the slow part).
 
     Returns:
