@@ -109,6 +109,7 @@ def test_packed_message_round_trip_keeps_dtypes_shapes_grad_flags_and_values(spe
     bigger = torch.cat([buf, torch.zeros(64, dtype=torch.uint8)])
     got_start, flags, got_layout, got_spec, grads = read_head(bigger)
     assert (got_start, flags, got_layout, got_spec) == (start, 0, layout, spec)
+    assert read_head(buf)[2] is got_layout  # decoded once per distinct head
     out = received(bigger, start, got_layout, grads)
     for a, b in zip(tensors, out):
         assert a.dtype == b.dtype and a.shape == b.shape

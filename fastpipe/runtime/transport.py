@@ -245,11 +245,25 @@ def write_head(buf: torch.Tensor, head: bytes, flags: int = 0) -> None:
     buf[_PREFIX : _PREFIX + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
 
 
-def read_head(buf: torch.Tensor) -> tuple[int, int, Layout, Spec, list[bool]]:
-    """(data offset, flags, layout, spec, grads) of a received message."""
+_HEADS: dict[bytes, tuple[Layout, Spec, tuple[bool, ...]]] = {}
+_HEADS_MAX = 1024
+
+
+def read_head(buf: torch.Tensor) -> tuple[int, int, Layout, Spec, tuple[bool, ...]]:
+    """(data offset, flags, layout, spec, grads) of a received message.
+
+    Decoded heads are cached by their bytes: a boundary sends the same head
+    every microbatch, and reusing its Layout keeps the Layout's unpack plan."""
     start, flags = buf[:_PREFIX].view(torch.int64).tolist()
-    layout, spec, grads = decode_head(buf[_PREFIX:start].numpy().tobytes())
-    return start, flags, layout, spec, grads
+    head = buf[_PREFIX:start].numpy().tobytes()
+    decoded = _HEADS.get(head)
+    if decoded is None:
+        layout, spec, grads = decode_head(head)
+        decoded = (layout, spec, tuple(grads))
+        if len(_HEADS) >= _HEADS_MAX:
+            _HEADS.clear()
+        _HEADS[head] = decoded
+    return (start, flags, *decoded)
 
 
 def received(buf: torch.Tensor, start: int, layout: Layout, grads: Sequence[bool]) -> list[torch.Tensor]:
