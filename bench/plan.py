@@ -5,8 +5,9 @@ time (so the profile sees the same two-process contention as the pipeline),
 and measure the gloo latency of a small message. Rank 0 plans over a small
 grid (schedules × chunks, no checkpointing); then every candidate of the
 grid runs for real, in rounds (each round times every candidate over three
-steps; the figure is the median over rounds). The report gives, for the chosen plan, predicted /
-measured, and the chosen plan's measured time against the fastest measured.
+steps; the figure is the median over rounds). The report gives, for the
+chosen plan, predicted / measured, and the chosen plan's measured time
+against the fastest measured.
 
     python -m bench plan [--repeats N]
 """

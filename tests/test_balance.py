@@ -109,6 +109,12 @@ def test_profile_rejects_bad_window(window):
         profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(4, 4), window=window)
 
 
+@pytest.mark.parametrize("repeats, warmup", [(0, 1), (2, -1)])
+def test_profile_rejects_bad_repeats(repeats, warmup):
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        profile(nn.Sequential(nn.Linear(4, 4)), torch.randn(4, 4), repeats=repeats, warmup=warmup)
+
+
 def test_balance_by_time_follows_measured_cost():
     model = nn.Sequential(_Busy(1), _Busy(1), _Busy(1), _Busy(6))
     assert balance_by_time(2, model, torch.randn(4, 4)) == [3, 1]

@@ -98,7 +98,7 @@ def _detached(out):
 
 
 class _Timed:
-    """One layer's measured runs: every sample of F, B, I, W, and its bytes."""
+    """One layer and every timed sample of its F, B, I and W."""
 
     def __init__(self, layer: nn.Module, first: bool):
         self.layer, self.first = layer, first
@@ -107,7 +107,7 @@ class _Timed:
                                                 "input_backward": [], "weight_backward": []}
 
     def forward(self, value, device, record: bool):
-        """F on fresh leaves; returns what B/I/W need and the layer's output."""
+        """F on fresh leaves; returns (leaves, roots, grads) for B, I and W."""
         leaves, spec = _leaves(value, device, self.first)
         t0 = time.perf_counter()
         out = self.layer(mbatch.unflatten(leaves, spec))
@@ -116,7 +116,7 @@ class _Timed:
         tensors, _ = mbatch.flatten(out)
         roots = [get_gradient_edge(t) for t in tensors if mbatch.needs_grad(t)]
         grads = [torch.ones_like(t) for t in tensors if mbatch.needs_grad(t)]
-        return (leaves, roots, grads), out
+        return leaves, roots, grads
 
     def timed(self, name: str, fn, record: bool):
         t0 = time.perf_counter()
@@ -130,10 +130,10 @@ def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None
     """One pass over a run of consecutive layers, as a pipeline stage meets
     them: F through the run then B back through it, then F again, I back
     through the run and W after all the I's (zero-bubble order)."""
-    graphs = [t.forward(v, device, record)[0] for t, v in zip(timed, inputs)]
+    graphs = [t.forward(v, device, record) for t, v in zip(timed, inputs)]
     for t, (_, roots, grads) in zip(reversed(timed), reversed(graphs)):
         t.timed("backward", lambda: backward_full(roots, grads), record)
-    graphs = [t.forward(v, device, False)[0] for t, v in zip(timed, inputs)]
+    graphs = [t.forward(v, device, False) for t, v in zip(timed, inputs)]
     works = []
     for t, (leaves, roots, grads) in zip(reversed(timed), reversed(graphs)):
         works.append(t.timed("input_backward",
@@ -212,6 +212,8 @@ def profile(
     window = len(model) if window is None else window
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"window must be a positive int, got {window!r}")
+    if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats!r} and {warmup!r}")
     micro = mbatch.split(sample, chunks)[0]
     rows = mbatch.batch_size(micro)
     layers = _profile_at(model, micro, device, warmup, repeats, window)
