@@ -134,9 +134,9 @@ class Layout:
         for index, s in enumerate(self.slots):
             stored = s.wire or s.dtype
             sizes, picks = groups.setdefault(stored, ([], []))
-            start = s.offset // stored.itemsize
-            if start > cursors.get(stored, 0):
-                sizes.append(start - cursors.get(stored, 0))
+            start, cursor = s.offset // stored.itemsize, cursors.get(stored, 0)
+            if start > cursor:
+                sizes.append(start - cursor)
             sizes.append(s.numel)
             cursors[stored] = start + s.numel
             picks.append((index, len(sizes) - 1, None if len(s.shape) == 1 else s.shape))
