@@ -27,6 +27,25 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int, sync: Calla
     return statistics.median(times)
 
 
+def round_robin_medians(fns: dict, warmup: int, rounds: int, sync: Callable[[], None],
+                        per_round: int = 1) -> dict:
+    """Median time of each of ``fns`` (name -> callable), measured in turns.
+
+    Every round times each callable ``per_round`` times before going on to
+    the next, so a slow spell of the machine falls on all of them rather than
+    on whichever happened to run then; the figure is the median over rounds
+    of each round's median. ``warmup`` untimed runs of each come first.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(median_time(fn, 0, per_round, sync))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def workload_parser(prog: str, doc: str | None, schedules: list[str]):
     """The command line the pipelining benchmarks share: workload, repeats, warm-up, schedules."""
     import argparse

@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench._runner import median_time, spawn
+from bench._runner import median_time, round_robin_medians, spawn
 from fastpipe import pack, unpack
 from fastpipe.runtime.transport import DistTransport, _describe
 
@@ -137,7 +138,7 @@ def _rank_main(rank, world, init, queue, width, repeats):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     x, y = torch.randn(64, width), torch.randn(64, width)
-    times = {}
+    pipes = {}
     try:
         for name in ("packed", "unpacked"):
             pipe = Pipe(_five_model(width), chunks=16, schedule="1f1b", balance=[2, 2], overlap=False)
@@ -145,8 +146,13 @@ def _rank_main(rank, world, init, queue, width, repeats):
                 t = pipe._transport(rank, None)
                 pipe._dist_transport = UnpackedTransport(t.group, t.device, t.stages, t.timeout, None,
                                                          t.wire, stage_to_rank=t.stage_to_rank)
-            times[name] = median_time(lambda: pipe.step(x, y, nn.functional.mse_loss), 3, repeats,
-                                      dist.barrier)
+            pipes[name] = pipe
+        # In turns, so a slow spell of the machine falls on both.
+        times = round_robin_medians(
+            {name: functools.partial(pipe.step, x, y, nn.functional.mse_loss) for name, pipe in pipes.items()},
+            3, repeats, dist.barrier, per_round=3)
+        for pipe in pipes.values():
+            pipe.close()
     finally:
         dist.destroy_process_group()
     queue.put((rank, times))

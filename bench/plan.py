@@ -15,6 +15,7 @@ against the fastest measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench._runner import median_time, spawn
+from bench._runner import round_robin_medians, spawn
 from bench.pipelining import WORKLOADS, make_model
 
 GRID_SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b", "zbv"]
@@ -108,13 +109,9 @@ def _rank_main(rank, world, init, queue, repeats):
         pipes = {(c.schedule, c.chunks): Pipe(
             make_model(width, blocks), chunks=c.chunks, schedule=c.schedule,
             balance=list(c.balance), stages_per_rank=c.stages_per_rank) for c in result.candidates}
-        times: dict = {key: [] for key in pipes}
-        for round_ in range(repeats):
-            for key, pipe in pipes.items():
-                times[key].append(median_time(
-                    lambda: pipe.step(x, y, nn.functional.mse_loss), 1 if round_ == 0 else 0, 3,
-                    dist.barrier))
-        measured = {key: statistics.median(t) for key, t in times.items()}
+        measured = round_robin_medians(
+            {key: functools.partial(pipe.step, x, y, nn.functional.mse_loss) for key, pipe in pipes.items()},
+            1, repeats, dist.barrier, per_round=3)
         for pipe in pipes.values():
             pipe.close()
     finally:
