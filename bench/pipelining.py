@@ -1,7 +1,8 @@
 """fastpipe vs torch.distributed.pipelining: same model, microbatches, schedules.
 
 Two gloo ranks on 127.0.0.1, one intra-op thread each. For every schedule
-both libraries run in the same processes, one after the other, and the
+both libraries run in the same processes, in turns (a few steps of each,
+round after round, so a slow spell of the machine falls on all), and the
 report gives each one's median step time, their ratio, and efficiency =
 (sequential fwd+bwd of all microbatches ÷ ranks) / step time. fastpipe runs
 twice: with its default on CPUs (transfers on the compute thread,
@@ -13,13 +14,14 @@ twice: with its default on CPUs (transfers on the compute thread,
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench._runner import median_time, spawn, workload_parser, workloads
+from bench._runner import median_time, round_robin_medians, spawn, workload_parser, workloads
 
 WORKLOADS = {
     # name: (width, blocks, batch, microbatches)
@@ -102,19 +104,22 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
     try:
         for schedule in schedules:
             spr = 2 if schedule in TWO_STAGES else None
-            timed = []
-            for overlap in (False, True):
-                pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
-                            stages_per_rank=spr, overlap=overlap)
-                timed.append(median_time(lambda: pipe.step(x, y, loss_fn), warmup, repeats, dist.barrier))
-                pipe.close()
-            ours, lanes = timed
+            pipes = [Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+                          stages_per_rank=spr, overlap=overlap) for overlap in (False, True)]
+            runners = {"ours": functools.partial(pipes[0].step, x, y, loss_fn),
+                       "lanes": functools.partial(pipes[1].step, x, y, loss_fn)}
+            theirs = None
             try:
-                theirs_step = _torch_runner(schedule, make_model(width, blocks), rank, world, chunks, loss_fn)
-                theirs = median_time(lambda: theirs_step(x, y), warmup, repeats, dist.barrier)
+                runners["theirs"] = functools.partial(
+                    _torch_runner(schedule, make_model(width, blocks), rank, world, chunks, loss_fn), x, y)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 theirs = f"n/a ({type(exc).__name__})"
-            rows[schedule] = (ours, lanes, theirs)
+            # In turns (three steps each per round), so a slow spell of the
+            # machine falls on all three rather than on one.
+            times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
+            for pipe in pipes:
+                pipe.close()
+            rows[schedule] = (times["ours"], times["lanes"], times.get("theirs", theirs))
     finally:
         dist.destroy_process_group()
     queue.put((rank, rows))

@@ -1,0 +1,354 @@
+"""The device check: everything fastpipe claims about CUDA, measured on one GPU.
+
+Run by ``bench/gpu_check.sh`` (which builds the extension first). Each
+section runs on its own: one that fails prints its traceback and the rest
+still run. Figures go to stdout and, with ``--out``, to a JSON file.
+
+Sections:
+  ring       fastpipe._C's CUDA backend: streams handed to torch as
+             ExternalStream, events ordering work across them, host cost
+             of record+wait.
+  kernels    the Triton kernels (activation, gated, norm, dropout) against
+             their torch reference on CUDA tensors, forward and backward.
+  pack       pack/unpack on CUDA: bit-exact round trip, wire casts equal to
+             torch's, bandwidth against one device copy of the same bytes
+             and against torch._foreach_copy_ into views.
+  local      a 2-rank local pipeline with both ranks on cuda:0 against the
+             same stages run sequentially (gradients equal; step-time ratio;
+             per-action host overhead; caching-allocator segments created in
+             steady state; the share of transfer time hidden behind compute).
+  recompute  selective recompute on CUDA: saved bytes and time ratio.
+
+    python -m bench.gpu_check [--out FILE] [--sections ring,kernels,...]
+
+``--device cpu`` runs every section but ``ring`` on the CPU at small sizes
+(Triton in its interpreter): a rehearsal that the script itself works, not
+a measurement (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+from torch import nn
+
+RESULTS: dict = {}
+DEV = "cuda"  # set by main(); "cpu" for a rehearsal
+SMALL = False  # rehearsal sizes
+
+
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cuda_time(fn, warmup: int = 3, repeats: int = 20) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events around each call)."""
+    if DEV != "cuda":
+        return _wall_time(fn, 1, 3)
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _wall_time(fn, warmup: int = 3, repeats: int = 10) -> float:
+    """Median wall seconds of ``fn`` with the device drained before and after."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS.setdefault("checks", {})[name] = bool(ok)
+    print(f"  [{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+
+
+def figure(name: str, value: float, unit: str = "", note: str = "") -> None:
+    RESULTS.setdefault("figures", {})[name] = value
+    print(f"  {name}: {value:.4g}{unit}{'  (' + note + ')' if note else ''}")
+
+
+# --- ring -------------------------------------------------------------------------
+
+
+def section_ring() -> None:
+    import fastpipe._C as C
+
+    check("extension built with the CUDA backend", C.has_cuda, C.cuda_status())
+    check("CUDA runtime found at run time", C.cuda_runtime_available())
+    a, b = C.CudaStream(0, -1), C.CudaStream(0, 0)
+    sa = torch.cuda.ExternalStream(a.handle)
+    sb = torch.cuda.ExternalStream(b.handle)
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    event = C.CudaEvent()
+    with torch.cuda.stream(sa):
+        y = x @ x  # long enough that an unordered reader would see garbage
+        event.record(a)
+    event.wait(b)
+    with torch.cuda.stream(sb):
+        z = y.clone()
+    b.synchronize()
+    check("event orders a consumer stream after a producer stream",
+          torch.equal(z, (x @ x)), "matmul on stream A, clone on stream B after A's event")
+    check("events report completion", event.query())
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        event.record(a)
+        event.wait(b)
+    figure("host cost of one event record + stream wait", (time.perf_counter() - t0) / n * 1e6, " us")
+    _sync()
+
+
+# --- kernels ----------------------------------------------------------------------
+
+
+def section_kernels() -> None:
+    from fastpipe.kernels import ActLinear, GeGLU, LayerNorm, RMSNorm, SeededDropout, SwiGLU, backend
+
+    torch.manual_seed(0)
+    cases = {
+        "ActLinear(gelu)": lambda: ActLinear("gelu", 256, 512),
+        "SwiGLU": lambda: SwiGLU(),
+        "GeGLU": lambda: GeGLU(),
+        "LayerNorm": lambda: LayerNorm(512),
+        "RMSNorm": lambda: RMSNorm(512),
+        "SeededDropout(0.1)": lambda: SeededDropout(0.1),
+    }
+    for name, make in cases.items():
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            torch.manual_seed(1)
+            module = make().to(DEV, dtype)
+            width = 256 if name.startswith("ActLinear") else 512
+            x = torch.randn(64, width, device=DEV, dtype=dtype, requires_grad=True)
+            outs = {}
+            for impl in ("torch", "triton"):
+                x.grad = None
+                for p in module.parameters():
+                    p.grad = None
+                torch.manual_seed(2)  # same dropout seed draw for both
+                with backend(impl):
+                    y = module(x)
+                    y.float().square().sum().backward()
+                outs[impl] = (y.detach().float(), x.grad.float(),
+                              [p.grad.float() for p in module.parameters()])
+            (y0, g0, p0), (y1, g1, p1) = outs["torch"], outs["triton"]
+            err = max([(y0 - y1).abs().max().item(), (g0 - g1).abs().max().item()]
+                      + [(a - b).abs().max().item() for a, b in zip(p0, p1)])
+            scale = max(1.0, y0.abs().max().item(), g0.abs().max().item())
+            check(f"{name} {str(dtype).split('.')[-1]} triton == torch reference",
+                  err <= tol * scale * 10, f"max abs diff {err:.2e}")
+
+
+# --- pack -------------------------------------------------------------------------
+
+
+def section_pack() -> None:
+    from fastpipe import pack, unpack
+
+    torch.manual_seed(0)
+    mixed = [torch.randn(3, 5, device=DEV), torch.arange(7, device=DEV),
+             torch.rand(4, device=DEV) > 0.5, torch.randn(0, 3, device=DEV),
+             torch.randn(6, 4, device=DEV).t(), torch.randn(9, device=DEV, dtype=torch.bfloat16),
+             torch.randn(5, device=DEV, dtype=torch.float16)]
+    flat, layout = pack(mixed)
+    back = unpack(flat, layout)
+    check("pack/unpack round trip is bit-exact",
+          all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(mixed, back)))
+    for wire in (torch.bfloat16, torch.float8_e4m3fn):
+        src = [torch.randn(1000, device=DEV) * 100, torch.randn(33, device=DEV, dtype=torch.float16),
+               torch.arange(5, device=DEV)]
+        flat, layout = pack(src, wire_dtype=wire)
+        back = unpack(flat, layout)
+        want = [t.to(wire).to(t.dtype) if t.is_floating_point() and t.element_size() > wire.itemsize else t
+                for t in src]
+        check(f"wire {str(wire).split('.')[-1]} equals torch's cast",
+              all(torch.equal(a, b) for a, b in zip(back, want)))
+    total = (1 << 20) if SMALL else (64 << 20)
+    src_one = torch.randn(total // 4, device=DEV)
+    dst_one = torch.empty_like(src_one)
+    t_copy = _cuda_time(lambda: dst_one.copy_(src_one))
+    figure("device copy bandwidth (read+write)", 2 * total / t_copy / 1e9, " GB/s", "64 MiB copy_")
+    for n in (1, 8, 64):
+        tensors = list(torch.randn(total // 4, device=DEV).chunk(n))
+        flat, layout = pack(tensors)
+        views = unpack(flat, layout)
+        t_pack = _cuda_time(lambda: pack(tensors, out=flat))
+        t_each = _cuda_time(lambda: torch._foreach_copy_(views, tensors))
+        figure(f"pack {n} tensors: share of copy bandwidth", t_copy / t_pack, "",
+               f"target >= 0.85; {2 * total / t_pack / 1e9:.0f} GB/s")
+        figure(f"pack {n} tensors: speed vs _foreach_copy_", t_each / t_pack, "x", "target >= 1.2 for 8+")
+        halves = list(torch.randn(total // 4, device=DEV).chunk(n))
+        flat16, layout16 = pack(halves, wire_dtype=torch.bfloat16)
+        t_cast = _cuda_time(lambda: pack(halves, wire_dtype=torch.bfloat16, out=flat16))
+        t_uncast = _cuda_time(lambda: unpack(flat16, layout16))
+        figure(f"pack {n} tensors to bf16 wire", 1.5 * total / t_cast / 1e9, " GB/s",
+               f"unpack back to fp32 {1.5 * total / t_uncast / 1e9:.0f} GB/s")
+
+
+# --- local ------------------------------------------------------------------------
+
+
+def _mlp(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                           for _ in range(blocks)])
+
+
+def _segments() -> int:
+    """cudaMalloc calls so far (the caching allocator's segments)."""
+    return torch.cuda.memory_stats().get("segment.all.allocated", 0) if DEV == "cuda" else 0
+
+
+def _hidden_share(sim) -> float | None:
+    """Share of the comm-track time that some compute record overlaps."""
+    compute = sorted((r.start, r.end) for r in sim.timeline if r.track == "compute")
+    comm = [(r.start, r.end) for r in sim.timeline if r.track == "comm"]
+    total = sum(e - s for s, e in comm)
+    if not total:
+        return None
+    hidden = 0.0
+    for s, e in comm:
+        for cs, ce in compute:
+            if cs >= e:
+                break
+            hidden += max(0.0, min(e, ce) - max(s, cs))
+    return min(1.0, hidden / total)
+
+
+def section_local() -> None:
+    from fastpipe import Pipe
+
+    loss_fn = nn.functional.mse_loss
+    shapes = ((("compute-bound", 64, 4, 16, 4), ("overhead-bound", 16, 4, 16, 8)) if SMALL else
+              (("compute-bound", 2048, 8, 256, 8), ("overhead-bound", 128, 8, 64, 16)))
+    devices = [DEV, DEV] if DEV == "cpu" else ["cuda:0", "cuda:0"]
+    for label, width, blocks, batch, chunks in shapes:
+        x = torch.randn(batch, width, device=DEV)
+        y = torch.randn(batch, width, device=DEV)
+        seq = _mlp(width, blocks).to(DEV)
+
+        def sequential():
+            for a, b in zip(x.tensor_split(chunks), y.tensor_split(chunks)):
+                (loss_fn(seq(a), b) / chunks).backward()
+
+        t_seq = _wall_time(sequential)
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            model = _mlp(width, blocks).to(DEV)
+            pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices)
+            if label == "compute-bound" and schedule == "1f1b":
+                for p in seq.parameters():
+                    p.grad = None
+                sequential()
+                pipe.step(x, y, loss_fn)
+                diff = max((p.grad - q.grad).abs().max().item()
+                           for p, q in zip(model.parameters(), seq.parameters()))
+                check("2-rank local pipeline on one device reproduces the sequential gradients", diff < 1e-4,
+                      f"max abs diff {diff:.1e}")
+            t_pipe = _wall_time(lambda: pipe.step(x, y, loss_fn))
+            before = _segments()
+            for _ in range(5):
+                pipe.step(x, y, loss_fn)
+            grown = _segments() - before
+            actions = sum(len(a) for a in pipe._lowered.actions)
+            _, sim = pipe.step_with_timeline(x, y, loss_fn)
+            share = _hidden_share(sim)
+            figure(f"{label} {schedule}: pipeline / sequential step time", t_pipe / t_seq, "",
+                   "one GPU: target <= 1.05" if label == "compute-bound" else "one GPU")
+            figure(f"{label} {schedule}: step time per action", t_pipe / actions * 1e6, " us",
+                   f"{actions} actions per step; host overhead when the GPU work is small")
+            check(f"{label} {schedule}: no new allocator segments in steady state", grown == 0,
+                  f"{grown} segments over 5 steps")
+            if share is not None:
+                figure(f"{label} {schedule}: transfer time hidden behind compute", share, "")
+            pipe.close()
+
+
+# --- recompute --------------------------------------------------------------------
+
+
+def section_recompute() -> None:
+    import copy
+
+    from bench.recompute import WORKLOADS
+    from fastpipe.kernels import selective_recompute
+    from fastpipe.runtime.memory import saved_activation_bytes
+
+    for name, make in WORKLOADS.items():
+        width, rows = (32, 16) if SMALL else (1024, 4096)
+        plain = make(width).to(DEV)
+        ours = selective_recompute(copy.deepcopy(plain))
+        x = torch.randn(rows, width, device=DEV, requires_grad=True)
+        b_plain, b_ours = saved_activation_bytes(plain, x), saved_activation_bytes(ours, x)
+        t_plain = _cuda_time(lambda: plain(x).sum().backward())
+        t_ours = _cuda_time(lambda: ours(x).sum().backward())
+        figure(f"recompute {name}: saved bytes", b_ours / b_plain, "x plain")
+        figure(f"recompute {name}: fwd+bwd time", t_ours / t_plain, "x plain")
+
+
+SECTIONS = {"ring": section_ring, "kernels": section_kernels, "pack": section_pack,
+            "local": section_local, "recompute": section_recompute}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
+    parser.add_argument("--out", default=None, help="write the figures and checks here as JSON")
+    parser.add_argument("--sections", default=None, help="comma-separated; default: all")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a small rehearsal of the script (no ring section)")
+    args = parser.parse_args(argv)
+    global DEV, SMALL
+    DEV, SMALL = args.device, args.device == "cpu"
+    names = args.sections.split(",") if args.sections else [n for n in SECTIONS if DEV == "cuda" or n != "ring"]
+    if unknown := [n for n in names if n not in SECTIONS]:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    if DEV == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch; nothing to check")
+        return 2
+    if DEV == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module loads
+    print(f"torch {torch.__version__}, " + (torch.cuda.get_device_name(0) if DEV == "cuda" else "CPU rehearsal"))
+    failed = []
+    for name in names:
+        print(f"\n== {name}")
+        t0 = time.perf_counter()
+        try:
+            SECTIONS[name]()
+        except Exception:  # noqa: BLE001 - report and go on to the next section
+            traceback.print_exc()
+            failed.append(name)
+        print(f"  ({time.perf_counter() - t0:.1f} s)")
+    RESULTS["sections_failed"] = failed
+    bad = [k for k, ok in RESULTS.get("checks", {}).items() if not ok]
+    print(f"\nsections failed: {failed or 'none'}; checks failed: {bad or 'none'}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
