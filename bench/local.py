@@ -4,21 +4,22 @@ Both libraries pipeline the same ``nn.Sequential`` over the same microbatches;
 efficiency = (sequential microbatched fwd+bwd ÷ 2) / step time, and the
 ratio column is torchgpipe's step time over fastpipe's (its throughput
 ratio). torchgpipe (``pip install torchgpipe``) runs GPipe only; fastpipe
-runs every schedule. The sequential baseline is timed between the pipelined
-runs and its median used, so machine drift hits both sides alike.
+runs every schedule. The sequential baseline, torchgpipe and every schedule
+are timed in turns (three steps each per round), so machine drift hits all
+of them alike.
 
     python -m bench local [--workload compute|overhead|both] [--repeats N]
 """
 
 from __future__ import annotations
 
-import statistics
+import functools
 
 import torch
 from torch import nn
 
-from bench._runner import median_time, workload_parser, workloads
-from bench.pipelining import TWO_STAGES, WORKLOADS, make_model, sequential_time
+from bench._runner import round_robin_medians, workload_parser, workloads
+from bench.pipelining import TWO_STAGES, WORKLOADS, make_model, sequential_step
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
@@ -45,25 +46,26 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
     torch.set_num_threads(1)
     width, blocks, batch, chunks = WORKLOADS[workload]
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    baselines = [sequential_time(width, blocks, batch, chunks, warmup, repeats)]
+    runners = {"sequential": sequential_step(width, blocks, batch, chunks)}
     theirs_step = _torchgpipe_step(width, blocks, chunks)
-    theirs = None
     if theirs_step is not None:
-        theirs = median_time(lambda: theirs_step(x, y), warmup, repeats, lambda: None)
-    rows = {}
+        runners["torchgpipe"] = functools.partial(theirs_step, x, y)
+    pipes = []
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
-        pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
-                    devices=["cpu", "cpu"], stages_per_rank=spr)
-        rows[schedule] = median_time(lambda: pipe.step(x, y, nn.functional.mse_loss), warmup, repeats,
-                                     lambda: None)
+        pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+                          devices=["cpu", "cpu"], stages_per_rank=spr))
+        runners[schedule] = functools.partial(pipes[-1].step, x, y, nn.functional.mse_loss)
+    # In turns (a few steps of each, round after round), so machine drift
+    # falls on the baseline, the peer and every schedule alike.
+    times = round_robin_medians(runners, warmup, max(1, repeats // 3), lambda: None, per_round=3)
+    for pipe in pipes:
         pipe.close()
-        baselines.append(sequential_time(width, blocks, batch, chunks, warmup, repeats))
-    seq = statistics.median(baselines)
+    seq, theirs = times.pop("sequential"), times.pop("torchgpipe", None)
+    rows = times
     ideal = seq / 2
     print(f"\n{workload}-bound, local mode: {blocks} MLP blocks d={width}, batch {batch}, {chunks} "
-          f"microbatches, 2 cpu devices x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms (median of "
-          f"{len(baselines)})")
+          f"microbatches, 2 cpu devices x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
     if theirs is not None:
         print(f"  torchgpipe (GPipe)  {theirs * 1e3:8.1f} ms  efficiency {ideal / theirs:.2f}")
     else:

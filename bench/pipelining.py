@@ -41,8 +41,8 @@ def make_model(width: int, blocks: int) -> nn.Sequential:
     )
 
 
-def sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
-    """fwd+bwd of the unsplit model over the same microbatches, one thread."""
+def sequential_step(width, blocks, batch, chunks):
+    """fwd+bwd of the unsplit model over the same microbatches, as a callable."""
     model = make_model(width, blocks)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
 
@@ -50,7 +50,12 @@ def sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
         for a, b in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
             (nn.functional.mse_loss(model(a), b) / chunks).backward()
 
-    return median_time(step, warmup, repeats, lambda: None)
+    return step
+
+
+def sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
+    """Median time of ``sequential_step``, one thread."""
+    return median_time(sequential_step(width, blocks, batch, chunks), warmup, repeats, lambda: None)
 
 
 def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
