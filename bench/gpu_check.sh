@@ -19,10 +19,17 @@ echo "== build"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 # In place: no packaging metadata, no dependency resolution (nothing can be fetched).
+# The CUDA backend is required; if its headers are not found, build without it
+# so the other sections still run (the ring section then fails, as it should).
 if ! FASTPIPE_CUDA=1 "$PY" setup.py -q build_ext --inplace >/tmp/fastpipe_build.log 2>&1; then
-    tail -30 /tmp/fastpipe_build.log
-    echo "build failed"
-    exit 1
+    tail -5 /tmp/fastpipe_build.log
+    echo "build with the CUDA backend failed; building without it"
+    status=1
+    if ! "$PY" setup.py -q build_ext --inplace >/tmp/fastpipe_build.log 2>&1; then
+        tail -30 /tmp/fastpipe_build.log
+        echo "build failed"
+        exit 1
+    fi
 fi
 "$PY" -c "import fastpipe._C as C; print('has_cuda', C.has_cuda, '|', C.cuda_status())"
 

@@ -135,15 +135,17 @@ class Layout:
     def _splits(self) -> tuple[bool, list[tuple[torch.dtype, list[int], tuple[int, ...],
                                               operator.itemgetter | None]],
                                tuple[tuple[int, tuple[int, ...]], ...]]:
-        """How ``_views`` cuts a buffer into slots with few tensor creations.
+        """How ``_views`` cuts a buffer into slots with few tensor creations:
+        ``(single, groups, shaped)``.
 
-        Per stored dtype: the element counts that cut a typed view of the
-        buffer into the slots and the gaps between them (one
-        ``split_with_sizes`` yields every slot of that dtype as a 1-D view),
-        the slot indices, and an ``itemgetter`` picking their pieces (None
-        when the pieces are exactly the slots, no gaps). Then the slots to
-        view as their shape (not 1-D), and whether there is one stored dtype
-        whose slots are every slot in order (the pieces are the result)."""
+        ``groups``, one per stored dtype: the dtype, the element counts that
+        cut a typed view of the buffer into its slots and the gaps between
+        them (one ``split_with_sizes`` yields every slot of that dtype as a
+        1-D view), the slot indices, and an ``itemgetter`` picking their
+        pieces (None when the pieces are exactly the slots, no gaps).
+        ``single``: one dtype whose pieces are every slot in order (then the
+        pieces are the result). ``shaped``: the slots to view as their shape
+        (those not 1-D)."""
         groups: dict[torch.dtype, tuple[list[int], list[int], list[int]]] = {}
         cursors: dict[torch.dtype, int] = {}
         for index, s in enumerate(self.slots):
@@ -373,8 +375,8 @@ def unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     used, fresh tensors of the original dtype where one was.
 
     The views share ``flat``'s memory (writing to one writes the buffer) but
-    are not autograd views of it (``_base`` is None): the buffer is a transfer
-    area, never part of a graph.
+    autograd does not track them as views of it (their ``_base`` is not
+    ``flat``): the buffer is a transfer area, never part of a graph.
 
     Raises:
         ValueError: ``flat`` is smaller than the layout.
