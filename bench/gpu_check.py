@@ -38,6 +38,8 @@ import traceback
 import torch
 from torch import nn
 
+from bench._runner import median_time
+
 RESULTS: dict = {}
 DEV = "cuda"  # set by main(); "cpu" for a rehearsal
 SMALL = False  # rehearsal sizes
@@ -68,16 +70,7 @@ def _cuda_time(fn, warmup: int = 3, repeats: int = 20) -> float:
 
 def _wall_time(fn, warmup: int = 3, repeats: int = 10) -> float:
     """Median wall seconds of ``fn`` with the device drained before and after."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, warmup, repeats, _sync)
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
