@@ -188,9 +188,9 @@ def test_soak_200_steps_leaks_nothing(tmp_path):
 
     Resident memory is no measure here: the allocator keeps or returns free
     pages as it likes, so it swings by some 25 MiB from step to step. The
-    heap in use does not; what is left of its growth is torch's flight
-    recorder (a record of every collective, up to 2000 of them, ~1 KiB each:
-    the loss broadcast adds one a step), switched off for this run."""
+    heap in use does not swing; it grows only through torch's flight recorder
+    (a record of every collective, up to 2000 of them, ~1 KiB each; the loss
+    broadcast adds one a step), which this run switches off."""
     cases = [{"soak": True, "schedule": "zbv", "steps": 200, "every": 20, "batch": 32}]
     env = {"TORCH_FR_BUFFER_SIZE": "0"}
     for rank_results in _spawn(2, cases, tmp_path, timeout=360, env=env):
