@@ -17,7 +17,9 @@ from fastpipe.balance import balance_by_params
 from fastpipe.runtime.checkpoint import check_mode
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
-from fastpipe.runtime.transport import CommLanes, DistTransport, LocalTransport, Mailbox
+from fastpipe.runtime.transport import (
+    CommLanes, DistTransport, LocalTransport, Mailbox, direction_groups,
+)
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,9 @@ class Pipe(nn.Module):
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:
             self._check_ranks_agree(balance, recompute)
+        # gloo: activations and gradients on separate groups (see direction_groups).
+        gloo = self.distributed and dist.get_backend(group) == "gloo"
+        self._p2p_groups = direction_groups(group) if gloo else {}
         self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
@@ -277,6 +282,7 @@ class Pipe(nn.Module):
                 self._dist_transport = DistTransport(
                     self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
                     self._wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
+                    groups=self._p2p_groups,
                 )
             return self._dist_transport
         # Local lanes: 0..ranks-1 run each rank's loop, ranks.. its sends.

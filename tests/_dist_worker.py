@@ -54,13 +54,19 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
 
 
 def _count_p2p() -> dict:
-    """Counts isend/irecv calls by kind from here on (the worker's own process)."""
+    """Counts isend/irecv calls from here on (the worker's own process): by kind
+    ("isend"), and by kind and the direction group they used ("isend F")."""
+    from fastpipe.runtime.transport import _DIRECTION_GROUPS  # read only: never makes groups
+
     counts: dict = {}
     for name in ("isend", "irecv"):
         real = getattr(dist, name)
 
         def counted(*args, _real=real, _name=name, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
+            by_group = {id(g): d for made in _DIRECTION_GROUPS.values() for d, g in made.items()}
+            where = f"{_name} {by_group.get(id(kwargs.get('group')), 'other')}"
+            counts[where] = counts.get(where, 0) + 1
             return _real(*args, **kwargs)
 
         setattr(dist, name, counted)

@@ -151,16 +151,21 @@ def test_one_p2p_operation_per_boundary_and_direction(tmp_path):
     """A stage that outputs five tensors and three plain values: one message each way.
 
     From the second step on (sizes known) every microbatch crosses the
-    boundary as exactly one isend and one irecv per direction.
+    boundary as exactly one isend and one irecv per direction, and each
+    direction travels on its own process group: activations on "F",
+    gradients on "B" (see transport.direction_groups).
     """
     cases = [_case(s, model="five_model", balance=b, steps=3)
              for s, b in (("1f1b", [2, 3]), ("gpipe", [2, 3]))]
     results = _spawn(2, cases, tmp_path)
     _verify(cases, results)
-    for rank_results in results:
+    for rank, rank_results in enumerate(results):
+        sends, recvs = ("F", "B") if rank == 0 else ("B", "F")
         for case, got in zip(cases, rank_results):
+            n = case["chunks"]
             for step in (1, 2):
-                assert got["p2p"][step] == {"isend": case["chunks"], "irecv": case["chunks"]}, got["p2p"]
+                expected = {"isend": n, "irecv": n, f"isend {sends}": n, f"irecv {recvs}": n}
+                assert got["p2p"][step] == expected, got["p2p"]
 
 
 @pytest.mark.timeout(300)

@@ -209,6 +209,39 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 # fails sends [length | ABORT][reason] on the tag of every message it still
 # owed, so whoever waits for one learns who failed and why, at once.
 
+# gloo's TCP transport handles each pair of ranks on one socket, guarded by
+# one lock that the caller of isend/irecv holds while it writes, and an event
+# loop thread that only try-locks it: when the loop finds the lock taken it
+# returns and polls again, spinning. On a busy host the writer is often
+# preempted inside that write by the loop thread it just woke, which then
+# spins until the scheduler takes it off: milliseconds per message. Giving
+# each direction its own process group (its own sockets, locks and loop
+# thread) means activations going out never share a lock with gradients
+# coming in, so a pipeline's two message streams stop stalling each other.
+_DIRECTION_GROUPS: dict = {}  # parent group -> {"F": group, "B": group}
+
+
+def direction_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
+    """One gloo process group per message direction over ``group``'s ranks.
+
+    Collective over the ranks of ``group`` (only they take part), so every
+    rank must call it in the same order, as it builds its Pipe. The groups
+    are made once per parent group and shared by every Pipe over it (steps
+    of two Pipes never run at once in one process); they live until
+    ``destroy_process_group()``.
+    """
+    parent = group if group is not None else dist.group.WORLD
+    found = _DIRECTION_GROUPS.get(parent)
+    if found is None:
+        ranks = dist.get_process_group_ranks(parent)
+        found = {
+            direction: dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            for direction in ("F", "B")
+        }
+        _DIRECTION_GROUPS[parent] = found  # holds ``parent``: its key is never reused
+    return found
+
+
 _PREFIX = 16
 _OVERSIZE = 1
 _ABORT = 2  # the sender failed: the rest of the message is its reason (utf-8)
@@ -349,12 +382,18 @@ class DistTransport:
     posts_ahead = True  # every receive of a step is handed over when it starts
 
     stage_to_rank: tuple = ()  # the schedule's placement (set by the Pipe)
+    # direction ("F"/"B") -> the process group its messages travel on
+    # (direction_groups); a direction not in it uses ``group``.
+    groups: dict = field(default_factory=dict)
 
     def peer(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def _owner(self, stage: int) -> int:
         return self.stage_to_rank[stage]
+
+    def _group(self, key: Key) -> dist.ProcessGroup | None:
+        return self.groups.get(key[0], self.group)
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
@@ -403,7 +442,7 @@ class DistTransport:
         self._events += (issued, done)
 
     def _issue(self, tensors, spec, dst, key) -> list:
-        tag, peer = self.tag(key), self.peer(dst)
+        tag, peer, group = self.tag(key), self.peer(dst), self._group(key)
         layout = Layout.plan(tensors, self.wire.get(key[0]))
         head = encode_head(layout, spec, [needs_grad(t) for t in tensors])
         start = _prefixed(head)
@@ -415,8 +454,8 @@ class DistTransport:
             buf = torch.empty(total, dtype=torch.uint8)  # a one-off size: not worth a slot
             write_head(buf, head)
             pack_into(buf[start:], tensors, layout)
-            return [(dist.isend(notice, dst=peer, group=self.group, tag=tag), notice, None, -1, dst),
-                    (dist.isend(buf, dst=peer, group=self.group, tag=tag + 1), buf, None, -1, dst)]
+            return [(dist.isend(notice, dst=peer, group=group, tag=tag), notice, None, -1, dst),
+                    (dist.isend(buf, dst=peer, group=group, tag=tag + 1), buf, None, -1, dst)]
         ring = self._send_rings.get(key[:2])
         if ring is None:
             ring = self._send_rings[key[:2]] = BufferRing(
@@ -425,7 +464,7 @@ class DistTransport:
         slot, buf = ring.get(total)
         write_head(buf, head)
         pack_into(buf[start:], tensors, layout)
-        return [(dist.isend(buf, dst=peer, group=self.group, tag=tag), buf, ring, slot, dst)]
+        return [(dist.isend(buf, dst=peer, group=group, tag=tag), buf, ring, slot, dst)]
 
     def _reap(self) -> None:
         """Inline mode: frees the slots of the oldest sends that have completed."""
@@ -476,7 +515,7 @@ class DistTransport:
         ring = self._rings[key[:2]]
         slot, buf = ring.get(max(self._capacity.get(key[:2], 0), _MIN_POST))
         try:
-            work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
+            work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key))
         except BaseException:
             ring.put(slot)
             raise
@@ -498,7 +537,7 @@ class DistTransport:
                 posted.ring.put(posted.slot)
                 held = None
                 buf = torch.empty(total, dtype=torch.uint8)
-                work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key) + 1)
+                work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
                 self._wait(work, what, src)
             start, _, layout, spec, grads = read_head(buf)
             self._note(key, start + layout.nbytes)
@@ -571,7 +610,7 @@ class DistTransport:
             if payload:
                 msg[_PREFIX:].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             try:
-                notices.append((dist.isend(msg, dst=self.peer(dst), group=self.group, tag=self.tag(key)), msg))
+                notices.append((dist.isend(msg, dst=self.peer(dst), group=self._group(key), tag=self.tag(key)), msg))
             except RuntimeError:
                 break  # the connection is gone already
         # Take in what the peers still send this step (their data, or their
@@ -604,7 +643,7 @@ class DistTransport:
                 continue
             buf = torch.empty(max(self._capacity.get(key[:2], 0), _MIN_POST), dtype=torch.uint8)
             try:
-                work = dist.irecv(buf, src=self.peer(src), group=self.group, tag=self.tag(key))
+                work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key))
             except RuntimeError:
                 break  # the connection is gone
             out.append((key, src, work, buf))
@@ -623,7 +662,7 @@ class DistTransport:
             total, flags = buf[:_PREFIX].view(torch.int64).tolist()
             if flags & _OVERSIZE:
                 full = torch.empty(total, dtype=torch.uint8)
-                rest = dist.irecv(full, src=self.peer(src), group=self.group, tag=self.tag(key) + 1)
+                rest = dist.irecv(full, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
                 _wait_until(rest, deadline)
         except RuntimeError:
             pass  # the peer is gone: nothing left to take in
