@@ -18,7 +18,7 @@ from fastpipe.runtime.checkpoint import check_mode
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.transport import (
-    CommLanes, DistTransport, LocalTransport, Mailbox, direction_groups,
+    CommLanes, DistTransport, LocalTransport, Mailbox, flow_groups,
 )
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
@@ -171,9 +171,9 @@ class Pipe(nn.Module):
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:
             self._check_ranks_agree(balance, recompute)
-        # gloo: activations and gradients on separate groups (see direction_groups).
+        # gloo: messages up and down the ranks on separate groups (see flow_groups).
         gloo = self.distributed and dist.get_backend(group) == "gloo"
-        self._p2p_groups = direction_groups(group) if gloo else {}
+        self._p2p_groups = flow_groups(group) if gloo else {}
         self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)

@@ -55,8 +55,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
 
 def _count_p2p() -> dict:
     """Counts isend/irecv calls from here on (the worker's own process): by kind
-    ("isend"), and by kind and the direction group they used ("isend F")."""
-    from fastpipe.runtime.transport import _DIRECTION_GROUPS  # read only: never makes groups
+    ("isend"), and by kind and the flow group they used ("isend up")."""
+    from fastpipe.runtime.transport import _FLOW_GROUPS  # read only: never makes groups
 
     counts: dict = {}
     for name in ("isend", "irecv"):
@@ -64,7 +64,7 @@ def _count_p2p() -> dict:
 
         def counted(*args, _real=real, _name=name, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
-            by_group = {id(g): d for made in _DIRECTION_GROUPS.values() for d, g in made.items()}
+            by_group = {id(g): d for made in _FLOW_GROUPS.values() for d, g in made.items()}
             where = f"{_name} {by_group.get(id(kwargs.get('group')), 'other')}"
             counts[where] = counts.get(where, 0) + 1
             return _real(*args, **kwargs)

@@ -152,17 +152,20 @@ def test_one_p2p_operation_per_boundary_and_direction(tmp_path):
 
     From the second step on (sizes known) every microbatch crosses the
     boundary as exactly one isend and one irecv per direction, and each
-    direction travels on its own process group: activations on "F",
-    gradients on "B" (see transport.direction_groups).
+    way between the ranks has its own process group: rank 0's activations
+    go "up", rank 1's gradients come "down" (see transport.flow_groups). ZBV
+    crosses twice per direction, and everything rank 0 sends (activations
+    out, gradients of the way back) still goes up.
     """
     cases = [_case(s, model="five_model", balance=b, steps=3)
              for s, b in (("1f1b", [2, 3]), ("gpipe", [2, 3]))]
+    cases.append(_case("zbv", model="mlp", steps=3, crossings=2))
     results = _spawn(2, cases, tmp_path)
     _verify(cases, results)
     for rank, rank_results in enumerate(results):
-        sends, recvs = ("F", "B") if rank == 0 else ("B", "F")
+        sends, recvs = ("up", "down") if rank == 0 else ("down", "up")
         for case, got in zip(cases, rank_results):
-            n = case["chunks"]
+            n = case["chunks"] * case.get("crossings", 1)
             for step in (1, 2):
                 expected = {"isend": n, "irecv": n, f"isend {sends}": n, f"irecv {recvs}": n}
                 assert got["p2p"][step] == expected, got["p2p"]

@@ -214,15 +214,18 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 # loop thread that only try-locks it: when the loop finds the lock taken it
 # returns and polls again, spinning. On a busy host the writer is often
 # preempted inside that write by the loop thread it just woke, which then
-# spins until the scheduler takes it off: milliseconds per message. Giving
-# each direction its own process group (its own sockets, locks and loop
-# thread) means activations going out never share a lock with gradients
-# coming in, so a pipeline's two message streams stop stalling each other.
-_DIRECTION_GROUPS: dict = {}  # parent group -> {"F": group, "B": group}
+# spins until the scheduler takes it off: milliseconds per message. So data
+# going up the ranks (to a higher rank) and data coming down travel on two
+# process groups, each with its own sockets, locks and loop thread: one
+# pair's socket then carries data one way only (1F1B's activations and
+# gradients, a V schedule's way out and way back), and the two flows stop
+# stalling each other.
+_FLOW_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 
 
-def direction_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
-    """One gloo process group per message direction over ``group``'s ranks.
+def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
+    """Two gloo process groups over ``group``'s ranks: "up" carries messages to
+    a higher rank, "down" to a lower one.
 
     Collective over the ranks of ``group`` (only they take part), so every
     rank must call it in the same order, as it builds its Pipe. The groups
@@ -231,14 +234,14 @@ def direction_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessG
     ``destroy_process_group()``.
     """
     parent = group if group is not None else dist.group.WORLD
-    found = _DIRECTION_GROUPS.get(parent)
+    found = _FLOW_GROUPS.get(parent)
     if found is None:
         ranks = dist.get_process_group_ranks(parent)
         found = {
-            direction: dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-            for direction in ("F", "B")
+            flow: dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            for flow in ("up", "down")
         }
-        _DIRECTION_GROUPS[parent] = found  # holds ``parent``: its key is never reused
+        _FLOW_GROUPS[parent] = found  # holds ``parent``: its key is never reused
     return found
 
 
@@ -382,8 +385,8 @@ class DistTransport:
     posts_ahead = True  # every receive of a step is handed over when it starts
 
     stage_to_rank: tuple = ()  # the schedule's placement (set by the Pipe)
-    # direction ("F"/"B") -> the process group its messages travel on
-    # (direction_groups); a direction not in it uses ``group``.
+    # "up" / "down" -> the process group for messages to a higher / lower
+    # rank (flow_groups); without them everything uses ``group``.
     groups: dict = field(default_factory=dict)
 
     def peer(self, rank: int) -> int:
@@ -393,7 +396,12 @@ class DistTransport:
         return self.stage_to_rank[stage]
 
     def _group(self, key: Key) -> dist.ProcessGroup | None:
-        return self.groups.get(key[0], self.group)
+        """The group a message travels on: by the way it goes between ranks."""
+        if not self.groups:
+            return self.group
+        direction, stage, _ = key
+        src = self._owner(stage - 1 if direction == "F" else stage + 1)
+        return self.groups["up" if src < self._owner(stage) else "down"]
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
