@@ -21,6 +21,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     results = []
     counts = _count_p2p()
+    pairs = None
     try:
         for case in cases:
             if case.get("train"):
@@ -29,8 +30,13 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             if case.get("soak"):
                 results.append(_soak(case))
                 continue
+            group = None
+            if case.get("pairs"):  # two pipelines side by side: ranks (0, 1) and (2, 3)
+                if pairs is None:  # every rank makes every subgroup, in the same order
+                    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+                group = pairs[rank // 2]
             model = getattr(models, case["model"])()
-            pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
+            pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"], group=group,
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
                         timeout=60, overlap=case.get("overlap", True),
                         checkpoint=case.get("checkpoint", "never"),

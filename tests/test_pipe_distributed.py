@@ -147,6 +147,18 @@ def test_four_ranks_subset(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_two_pipelines_on_subgroups(tmp_path):
+    """Four ranks, two 2-rank pipelines side by side over their own subgroups
+    (as under data parallelism): each reproduces the sequential gradients,
+    and a pipeline's set-up (the flow groups included) involves only its
+    own ranks."""
+    cases = [_case(s, pairs=True, steps=2) for s in ("1f1b", "zbv")]
+    results = _spawn(4, cases, tmp_path)
+    _verify(cases, results[:2])
+    _verify(cases, results[2:])
+
+
+@pytest.mark.timeout(300)
 def test_one_p2p_operation_per_boundary_and_direction(tmp_path):
     """A stage that outputs five tensors and three plain values: one message each way.
 
