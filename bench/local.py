@@ -6,7 +6,8 @@ ratio column is torchgpipe's step time over fastpipe's (its throughput
 ratio). torchgpipe (``pip install torchgpipe``) runs GPipe only; fastpipe
 runs every schedule. The sequential baseline, torchgpipe and every schedule
 are timed in turns (three steps each per round), so machine drift hits all
-of them alike.
+of them alike. So is the GIL's ceiling: the model's two halves run on two
+threads with nothing between them, the most two Python lanes can overlap.
 
     python -m bench local [--workload compute|overhead|both] [--repeats N]
 """
@@ -40,13 +41,41 @@ def _torchgpipe_step(width, blocks, chunks):
     return step
 
 
+def _two_threads_step(width, blocks, batch, chunks):
+    """The two halves of the model, fwd+bwd over every microbatch, on two
+    threads with nothing between them: no pipeline dependencies, no
+    transfers. Only the GIL limits it, so its time is the best any in-process
+    pipeline of Python stages can reach on two lanes (a pipeline adds its
+    bubble and its hand-offs on top)."""
+    import threading
+
+    model = make_model(width, blocks)
+    half = len(model) // 2
+    parts = [model[:half], model[half:]]
+    inputs = [torch.randn(batch, width).tensor_split(chunks) for _ in parts]
+
+    def work(part, xs):
+        for x in xs:
+            part(x).square().mean().backward()
+
+    def step():
+        threads = [threading.Thread(target=work, args=(p, xs)) for p, xs in zip(parts, inputs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    return step
+
+
 def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
     width, blocks, batch, chunks = WORKLOADS[workload]
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    runners = {"sequential": sequential_step(width, blocks, batch, chunks)}
+    runners = {"sequential": sequential_step(width, blocks, batch, chunks),
+               "two threads": _two_threads_step(width, blocks, batch, chunks)}
     theirs_step = _torchgpipe_step(width, blocks, chunks)
     if theirs_step is not None:
         runners["torchgpipe"] = functools.partial(theirs_step, x, y)
@@ -62,10 +91,13 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
     for pipe in pipes:
         pipe.close()
     seq, theirs = times.pop("sequential"), times.pop("torchgpipe", None)
+    ceiling = times.pop("two threads")
     rows = times
     ideal = seq / 2
     print(f"\n{workload}-bound, local mode: {blocks} MLP blocks d={width}, batch {batch}, {chunks} "
           f"microbatches, 2 cpu devices x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
+    print(f"  two threads, no pipeline (the GIL's ceiling) {ceiling * 1e3:.1f} ms, "
+          f"efficiency {ideal / ceiling:.2f}")
     if theirs is not None:
         print(f"  torchgpipe (GPipe)  {theirs * 1e3:8.1f} ms  efficiency {ideal / theirs:.2f}")
     else:
