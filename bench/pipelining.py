@@ -7,7 +7,9 @@ report gives each one's median step time, their ratio, and efficiency =
 (sequential fwd+bwd of all microbatches ÷ ranks) / step time. fastpipe runs
 twice: with its default on CPUs (transfers on the compute thread,
 ``overlap=False``) and with its communication lanes (``overlap=True``);
-"lanes/default" is what the lanes change.
+"lanes/default" is what the lanes change. First each rank runs its share of
+the layers alone, both at once, with no messages: the machine's ceiling for
+any pipeline on these ranks.
 
     python -m bench pipelining [--workload compute|overhead|both] [--repeats N]
 """
@@ -97,6 +99,25 @@ def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn):
     return step
 
 
+def _alone_time(width, blocks, batch, chunks, rank, world, warmup, repeats) -> float:
+    """Each rank runs its share of the layers over every microbatch with no
+    messages and no dependencies, at the same time as the other ranks: the
+    machine's own ceiling for the ranks side by side (shared caches, memory
+    bandwidth, one core each), which a pipeline's bubble and transfers only
+    lower."""
+    model = make_model(width, blocks)
+    per = len(model) // world
+    part = model[rank * per : (rank + 1) * per]
+    xs = torch.randn(batch, width).tensor_split(chunks)
+
+    def step():
+        for x in xs:
+            part(x).square().mean().backward()
+
+    return round_robin_medians({"alone": step}, warmup, max(1, repeats // 3), dist.barrier,
+                               per_round=3)["alone"]
+
+
 def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
     from fastpipe import Pipe
 
@@ -107,6 +128,7 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     rows = {}
     try:
+        rows["alone"] = _alone_time(width, blocks, batch, chunks, rank, world, warmup, repeats)
         for schedule in schedules:
             spr = 2 if schedule in TWO_STAGES else None
             pipes = [Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
@@ -137,8 +159,11 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: i
     seq = sequential_time(width, blocks, batch, chunks, warmup, repeats)
     rows = spawn(ranks, _rank_main, workload, schedules, warmup, repeats)[0]
     ideal = seq / ranks
+    alone = rows.pop("alone")
     print(f"\n{workload}-bound: {blocks} MLP blocks d={width}, batch {batch}, {chunks} microbatches, "
           f"{ranks} gloo ranks x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
+    print(f"  each rank its layers alone, no pipeline (the machine's ceiling) {alone * 1e3:.1f} ms, "
+          f"efficiency {ideal / alone:.2f}")
     print(f"  {'schedule':<18}{'fastpipe ms':>12}{'lanes ms':>10}{'torch ms':>10}"
           f"{'torch/fastpipe':>16}{'lanes/default':>15}{'eff fastpipe':>14}{'eff torch':>11}")
     for schedule, (ours, lanes, theirs) in rows.items():
