@@ -64,7 +64,10 @@ class Pipe(nn.Module):
             optional, one per rank (default: CPU for gloo, the current CUDA
             device for NCCL).
         stages_per_rank: virtual stages per rank (interleaved, looped, V schedules).
-        group: the process group (default: the world, when initialized).
+        group: the process group (default: the world, when initialized). On
+            gloo the Pipe also makes (once per group, collectively over its
+            ranks only) two groups of its own for the messages that go up
+            and down the ranks; see ``transport.flow_groups`` for why.
         timeout: seconds a rank waits for a peer (or for a free buffer slot)
             before raising TimeoutError.
         overlap: run communication on lanes of fastpipe's native ring (send,
