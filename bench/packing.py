@@ -90,7 +90,7 @@ class UnpackedTransport(DistTransport):
             ]
             return super()._issue(tensors, spec, dst, key)
         peer = self.peer(dst)
-        return [(dist.isend(t.detach().contiguous(), dst=peer, group=self.group, tag=_tag(self, key, i)),
+        return [(dist.isend(t.detach().contiguous(), dst=peer, group=self._group(key), tag=_tag(self, key, i)),
                  t, None, -1, dst) for i, t in enumerate(tensors)]
 
     def _post(self, src, key):
@@ -98,7 +98,7 @@ class UnpackedTransport(DistTransport):
             return super()._post(src, key)
         layout = self._layouts[key[:2]]
         bufs = [torch.empty(spec["shape"], dtype=spec["dtype"]) for spec in layout]
-        works = [dist.irecv(b, src=self.peer(src), group=self.group, tag=_tag(self, key, i))
+        works = [dist.irecv(b, src=self.peer(src), group=self._group(key), tag=_tag(self, key, i))
                  for i, b in enumerate(bufs)]
         return (works, bufs, layout)
 
@@ -145,7 +145,8 @@ def _rank_main(rank, world, init, queue, width, repeats):
             if name == "unpacked":
                 t = pipe._transport(rank, None)
                 pipe._dist_transport = UnpackedTransport(t.group, t.device, t.stages, t.timeout, None,
-                                                         t.wire, stage_to_rank=t.stage_to_rank)
+                                                         t.wire, stage_to_rank=t.stage_to_rank,
+                                                         groups=t.groups)
             pipes[name] = pipe
         # In turns, so a slow spell of the machine falls on both.
         times = round_robin_medians(
