@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -275,14 +276,24 @@ def _prefixed(head: bytes) -> int:
     return aligned(_PREFIX + len(head))
 
 
+_HEADS_MAX = 1024  # entries of each head cache below (a boundary has one or a few heads)
+_WRITTEN: dict[tuple[bytes, int], np.ndarray] = {}  # (head, flags) -> prefix + head bytes
+
+
 def write_head(buf: torch.Tensor, head: bytes, flags: int = 0) -> None:
-    start = _prefixed(head)
-    buf[:_PREFIX].view(torch.int64).copy_(torch.tensor([start, flags], dtype=torch.int64))
-    buf[_PREFIX : _PREFIX + len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    """Writes the prefix (data offset, flags) and the head at the start of a
+    CPU buffer, as one copy of bytes made once per head (a boundary sends the
+    same head every microbatch)."""
+    block = _WRITTEN.get((head, flags))
+    if block is None:
+        block = np.frombuffer(struct.pack("=qq", _prefixed(head), flags) + head, dtype=np.uint8)
+        if len(_WRITTEN) >= _HEADS_MAX:
+            _WRITTEN.clear()
+        _WRITTEN[(head, flags)] = block
+    buf[: block.size].numpy()[:] = block
 
 
 _HEADS: dict[bytes, tuple[Layout, Spec, tuple[bool, ...]]] = {}
-_HEADS_MAX = 1024
 
 
 def read_head(buf: torch.Tensor) -> tuple[int, int, Layout, Spec, tuple[bool, ...]]:
