@@ -50,7 +50,10 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 with torch.no_grad():
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p})
+            from fastpipe.runtime.transport import _FLOW_GROUPS
+
+            results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
+                            "flow_groups": len(_FLOW_GROUPS)})
         torch.save({"ok": results}, out_path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out_path)

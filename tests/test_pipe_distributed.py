@@ -84,6 +84,7 @@ def _verify(cases: list[dict], results: list[list[dict]]) -> None:
             expected_losses.append(loss)
         for rank_results in results:
             got = rank_results[i]
+            assert got["flow_groups"] == 1  # made once, shared by every Pipe over the group
             for step, loss in enumerate(got["losses"]):  # every rank gets the loss
                 torch.testing.assert_close(loss, expected_losses[step])
             for name, g in got["grads"].items():
