@@ -15,6 +15,7 @@ SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 
 def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> None:
     from fastpipe import Pipe
+    from fastpipe.runtime.transport import _FLOW_GROUPS
     from tests import models
 
     torch.set_num_threads(1)
@@ -50,8 +51,6 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 with torch.no_grad():
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-            from fastpipe.runtime.transport import _FLOW_GROUPS
-
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
                             "flow_groups": len(_FLOW_GROUPS)})
         torch.save({"ok": results}, out_path)

@@ -202,8 +202,9 @@ def test_bf16_wire_trains_like_fp32(tmp_path):
 
 @pytest.mark.timeout(400)
 def test_soak_200_steps_leaks_nothing(tmp_path):
-    """200 Adam steps of the demo model on 2 ranks: threads, file descriptors,
-    live tensors and Python objects are the same at step 200 as at step 40, and
+    """200 Adam steps of the demo model on 2 ranks: threads, file descriptors and
+    live tensors are the same at step 200 as at step 40, Python objects grow by
+    fewer than 40 (a leak of one a step would add 160), and
     the bytes malloc has handed out grow by less than 256 KiB over those 160
     steps (a leak of 2 KiB a step would exceed that).
 
@@ -219,5 +220,8 @@ def test_soak_200_steps_leaks_nothing(tmp_path):
         if marks[40]["heap"] is not None:  # glibc's mallinfo2 is there
             grown = marks[200]["heap"] - marks[40]["heap"]
             assert grown < 256 * 2**10, {s: m["heap"] for s, m in marks.items()}
-        for what in ("threads", "py_threads", "fds", "tensors", "objects"):
+        for what in ("threads", "py_threads", "fds", "tensors"):
             assert marks[200][what] == marks[40][what], (what, marks[40], marks[200])
+        # Python objects: one left behind per step would be 160; allow a few
+        # lazily made ones (caches filled once).
+        assert marks[200]["objects"] - marks[40]["objects"] < 40, (marks[40], marks[200])
