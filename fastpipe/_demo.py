@@ -34,9 +34,11 @@ def _bar(done: int, total: int, width: int = 28) -> str:
 def _model():
     from torch import nn
 
+    # Four h x h layers, so each of ZBV's four stages gets one (balanced by
+    # parameter count); with three, one stage would hold only the small ones.
     d, h = 128, 1024
     return nn.Sequential(
-        nn.Linear(d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(),
+        nn.Linear(d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, h), nn.GELU(),
         nn.Linear(h, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, 1),
     )
 
@@ -88,12 +90,17 @@ def _rank_main(rank: int, world: int, init: str, queue, cfg: dict) -> None:
         dist.destroy_process_group()
 
 
-def _mean_costs(sim) -> dict[str, float]:
-    totals: dict[str, list[float]] = {}
+def _stage_costs(sim) -> dict[str, list[float]]:
+    """Mean measured ms of each action kind, per stage (the simulator's
+    kind -> per-stage costs): stages differ, and one mean per kind would
+    hide the imbalance that makes a real step's bubble."""
+    totals: dict[str, dict[int, list[float]]] = {}
     for rec in sim.timeline:
         if rec.track == "compute":
-            totals.setdefault(rec.action.kind.value, []).append(rec.end - rec.start)
-    return {k: sum(v) / len(v) for k, v in totals.items()}
+            per = totals.setdefault(rec.action.kind.value, {})
+            per.setdefault(rec.action.stage, []).append(rec.end - rec.start)
+    stages = sim.schedule.stages
+    return {k: [sum(per[s]) / len(per[s]) for s in range(stages)] for k, per in totals.items()}
 
 
 def _train(steps: int = 25, chunks: int = 8, batch: int = 256, schedule: str = "zbv") -> None:
@@ -102,18 +109,20 @@ def _train(steps: int = 25, chunks: int = 8, batch: int = 256, schedule: str = "
     from fastpipe._spawn import spawn
     from fastpipe.schedules import build
 
-    print(f"\ntraining a 9-layer MLP with schedule {schedule!r} on 2 gloo ranks (127.0.0.1), "
+    print(f"\ntraining a {len(_model())}-layer MLP with schedule {schedule!r} on 2 gloo ranks (127.0.0.1), "
           f"{chunks} microbatches of {batch // chunks} rows:")
     cfg = {"steps": steps, "chunks": chunks, "batch": batch, "schedule": schedule}
     results = spawn(2, _rank_main, cfg, timeout=600)
     losses, sim = results[0]["losses"], results[0]["sim"]
     rate = (steps - 2) * batch / results[0]["elapsed"]
     print(f"\n  loss {losses[0]:.4f} -> {losses[-1]:.4f} over {steps} steps; {rate:,.0f} samples/s")
-    costs = _mean_costs(sim)
-    predicted = build(schedule, 2, chunks).simulate(dict(costs))
+    costs = _stage_costs(sim)
+    predicted = build(schedule, 2, chunks).simulate(costs)
     print(f"  recorded step: {sim.makespan:.1f} ms, measured bubble {sim.bubble_ratio:.3f} vs "
-          f"simulated {predicted.bubble_ratio:.3f} (simulator fed the measured mean costs "
-          + ", ".join(f"{k}={v:.2f} ms" for k, v in sorted(costs.items())) + ")")
+          f"simulated {predicted.bubble_ratio:.3f} ({predicted.makespan:.1f} ms; the simulator was fed "
+          "the measured mean cost of each action kind per stage, in ms: "
+          + ", ".join(f"{k}=" + "/".join(f"{c:.2f}" for c in v) for k, v in sorted(costs.items()))
+          + "; it moves messages for free, so the difference is what sending and receiving cost)")
     os.makedirs("out", exist_ok=True)
     trace = sim.to_chrome_trace("out/demo_trace.json")
     print(f"  Chrome trace of that step (compute and comm tracks per rank): {trace}")
