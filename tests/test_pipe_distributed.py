@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fastpipe.schedules import names
@@ -225,3 +226,21 @@ def test_soak_200_steps_leaks_nothing(tmp_path):
         # Python objects: one left behind per step would be 160; allow a few
         # lazily made ones (caches filled once).
         assert marks[200]["objects"] - marks[40]["objects"] < 40, (marks[40], marks[200])
+
+
+def test_flow_groups_are_made_once_and_forgotten_with_their_world(tmp_path):
+    """One process, a world of one, three times over: every Pipe over a world
+    shares its two flow groups, and a destroyed world's groups are dropped
+    from the cache the next time groups are made."""
+    from fastpipe.runtime import transport
+
+    for i in range(3):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'rdv{i}'}",
+                                rank=0, world_size=1)
+        try:
+            first = transport.flow_groups(None)
+            assert transport.flow_groups(None) is first
+            assert set(first) == {"up", "down"}
+            assert len(transport._FLOW_GROUPS) == 1
+        finally:
+            dist.destroy_process_group()

@@ -232,9 +232,11 @@ def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]
     rank must call it in the same order, as it builds its Pipe. The groups
     are made once per parent group and shared by every Pipe over it (steps
     of two Pipes never run at once in one process); they live until
-    ``destroy_process_group()``.
+    ``destroy_process_group()``, after which the next call forgets them.
     """
     parent = group if group is not None else dist.group.WORLD
+    for stale in [p for p in _FLOW_GROUPS if not _alive(p)]:
+        del _FLOW_GROUPS[stale]  # destroyed with its world: drop it and its groups
     found = _FLOW_GROUPS.get(parent)
     if found is None:
         ranks = dist.get_process_group_ranks(parent)
@@ -244,6 +246,15 @@ def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]
         }
         _FLOW_GROUPS[parent] = found  # holds ``parent``: its key is never reused
     return found
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (not destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 _PREFIX = 16
