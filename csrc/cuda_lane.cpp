@@ -65,6 +65,22 @@ bool CudaEvent::query() const {
   return true;
 }
 
+void copy_regions_async(std::uintptr_t dst, int dst_device, const std::vector<std::uintptr_t>& srcs,
+                        int src_device, const std::vector<std::size_t>& offsets,
+                        const std::vector<std::size_t>& sizes, cudaStream_t stream) {
+  FP_CHECK_VALUE(srcs.size() == offsets.size() && srcs.size() == sizes.size(),
+                 "srcs, offsets and sizes must have one entry per region, got ", srcs.size(), ", ",
+                 offsets.size(), " and ", sizes.size());
+  const CudaApi& api = cuda_api_or_throw();
+  auto* out = reinterpret_cast<unsigned char*>(dst);
+  for (std::size_t i = 0; i < srcs.size(); ++i) {
+    if (sizes[i] == 0) continue;
+    cuda_check(api.MemcpyPeerAsync(out + offsets[i], dst_device, reinterpret_cast<const void*>(srcs[i]),
+                                   src_device, sizes[i], stream),
+               "cudaMemcpyPeerAsync");
+  }
+}
+
 void CudaEvent::synchronize() const {
   cuda_check(cuda_api().EventSynchronize(event_), "cudaEventSynchronize");
 }

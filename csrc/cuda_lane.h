@@ -1,6 +1,10 @@
 // CUDA streams and events owned by fastpipe (RAII), the GPU backend of a lane.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
 #include "cuda_runtime.h"
 
 namespace fastpipe {
@@ -43,6 +47,15 @@ class CudaEvent {
  private:
   cudaEvent_t event_ = nullptr;
 };
+
+// Enqueues, on `stream` (a stream of `src_device`), one cudaMemcpyPeerAsync
+// per region: `sizes[i]` bytes from `srcs[i]` on `src_device` to
+// `dst + offsets[i]` on `dst_device` (the same device is allowed). The copies
+// are ordered after whatever `stream` already waits for and nothing else:
+// the caller makes `stream` wait on the producer's event first.
+void copy_regions_async(std::uintptr_t dst, int dst_device, const std::vector<std::uintptr_t>& srcs,
+                        int src_device, const std::vector<std::size_t>& offsets,
+                        const std::vector<std::size_t>& sizes, cudaStream_t stream);
 
 // Runs `fn` with `device` current, restoring the caller's device after.
 class DeviceGuard {

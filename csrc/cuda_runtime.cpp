@@ -51,7 +51,8 @@ CudaApi load() {
             resolve(lib, "cudaEventDestroy", api.EventDestroy, e) &
             resolve(lib, "cudaEventRecord", api.EventRecord, e) &
             resolve(lib, "cudaEventQuery", api.EventQuery, e) &
-            resolve(lib, "cudaEventSynchronize", api.EventSynchronize, e);
+            resolve(lib, "cudaEventSynchronize", api.EventSynchronize, e) &
+            resolve(lib, "cudaMemcpyPeerAsync", api.MemcpyPeerAsync, e);
   if (!ok) {
     api.error = fp_msg(api.library, ": ", api.error);
     return api;

@@ -25,6 +25,7 @@ struct CudaApi {
   decltype(&cudaEventRecord) EventRecord = nullptr;
   decltype(&cudaEventQuery) EventQuery = nullptr;
   decltype(&cudaEventSynchronize) EventSynchronize = nullptr;
+  decltype(&cudaMemcpyPeerAsync) MemcpyPeerAsync = nullptr;
 
   bool loaded = false;
   std::string library;  // the soname that was found, e.g. "libcudart.so.12"

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -17,8 +18,10 @@ from fastpipe.balance import balance_by_params
 from fastpipe.runtime.checkpoint import check_mode
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
+from fastpipe.runtime.buffers import copy_slots
+from fastpipe.runtime.lanes import lanes_for
 from fastpipe.runtime.transport import (
-    CommLanes, DistTransport, LocalTransport, Mailbox, flow_groups,
+    CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, flow_groups,
 )
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
@@ -171,6 +174,12 @@ class Pipe(nn.Module):
         self.balance = None if auto else resolved
         self._stages = None if auto else self._build_stages()
         self._ring = None
+        # Local mode on GPUs: transfers are copies on each rank's copy lane into
+        # receive slots (CopyTransport); on CPUs tensors are handed over as they
+        # are. (_copies=True forces the copy path on CPUs, with host lanes: tests.)
+        self._copies = not self.distributed and any(d.type == "cuda" for d in self.devices)
+        self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
+        self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:
             self._check_ranks_agree(balance, recompute)
@@ -267,7 +276,7 @@ class Pipe(nn.Module):
         """Lanes of the native ring this pipe uses (created on first use)."""
         if self.distributed:
             return 4 if self.overlap else 1
-        return 2 * self.schedule.ranks if self.overlap else self.schedule.ranks
+        return 2 * self.schedule.ranks if self.overlap or self._copies else self.schedule.ranks
 
     def _ring_for(self):
         from fastpipe._ext import native
@@ -289,8 +298,30 @@ class Pipe(nn.Module):
                 )
             return self._dist_transport
         # Local lanes: 0..ranks-1 run each rank's loop, ranks.. its sends.
+        if self._copies:
+            return CopyTransport(mailbox, rank, self.devices, self.timeout, self._lanes_of(rank),
+                                 self._rings(), self._wire)
         lanes = CommLanes(self._ring, self.schedule.ranks + rank) if self.overlap else None
         return LocalTransport(mailbox, rank, self.devices, self.timeout, lanes, self._wire)
+
+    def _lanes_of(self, rank: int):
+        """The device lanes of a local rank: its CUDA streams (made once), or host
+        lanes on the current ring (whose lane ranks + rank runs its copies)."""
+        lanes = self._device_lanes.get(rank)
+        if lanes is None or getattr(lanes, "ring", self._ring) is not self._ring:
+            lanes = lanes_for(self.devices[rank], self._ring, self.schedule.ranks + rank,
+                              self.timeout, overlap=self.overlap)
+            self._device_lanes[rank] = lanes
+        return lanes
+
+    def _rings(self) -> ReceiveRings:
+        if self._recv_rings is None:
+            # The worst case over every timing, of training and of inference.
+            sizes = copy_slots(self._lowered.actions)
+            for stream, n in copy_slots(self._forward_only.actions).items():
+                sizes[stream] = max(n, sizes.get(stream, 0))
+            self._recv_rings = ReceiveRings(sizes, self.timeout)
+        return self._recv_rings
 
     # --- running -----------------------------------------------------------------
 
@@ -404,13 +435,19 @@ class Pipe(nn.Module):
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
 
+        transports = [self._transport(rank, mailbox) for rank in range(schedule.ranks)]
+        lanes = [self._lanes_of(rank) for rank in range(schedule.ranks)] if self._copies else []
+        for rank_lanes in lanes:
+            rank_lanes.enter_from_caller()
+
         def run_rank(rank: int):
-            executor = RankExecutor(rank, schedule, self._stages[rank],
-                                    self._transport(rank, mailbox), self.checkpoint, rng_lock)
+            executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
+                                    self.checkpoint, rng_lock)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:
-                return executor.run(inputs, targets, loss_fn, train)  # fails the mailbox on error
+                with lanes[rank].compute() if lanes else nullcontext():
+                    return executor.run(inputs, targets, loss_fn, train)  # fails the mailbox on error
             finally:
                 if train:
                     self._memory[rank] = executor.peak_activation_bytes
@@ -425,6 +462,8 @@ class Pipe(nn.Module):
             for ev in events:
                 _outcome(ev)
             raise
+        for rank_lanes in lanes:
+            rank_lanes.exit_to_caller()
         if mailbox.first_failure is not None:
             raise mailbox.first_failure[1]
         for value in outcomes:

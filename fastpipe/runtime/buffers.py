@@ -17,6 +17,10 @@ added when none is free yet, and the count settles after the first steps.
 The reuse rule lives in the native ``SlotRing``: a slot goes out again only
 after the fence its last user released it with (an Event) is done; on the
 host lanes, releasing after the operation finished is the fence itself.
+A device fence (a ``CudaEvent``, recorded on the stream of the slot's last
+reader) is not waited for by the host: ``get`` hands it out with the slot
+and the next writer's stream waits for it on the GPU, so the slot's memory
+is not touched before the event completes and the host never stalls.
 """
 
 from __future__ import annotations
@@ -72,6 +76,80 @@ def receive_slots(actions: Sequence[Action], lookahead: int = 1) -> dict[Stream,
     return {stream: n + lookahead for stream, n in peak.items()}
 
 
+def copy_slots(actions: Sequence[Sequence[Action]]) -> dict[Stream, int]:
+    """Slots per stream when the *sender* takes the slot (local copies).
+
+    In local mode a sender copies into the receiver's ring when its SEND
+    action runs, and nothing stops it from running ahead of the receiver, so
+    the count depends on timing, unlike ``receive_slots``. This returns its
+    worst case over every timing: slots of messages ``j`` still held when
+    message ``k`` of the same stream is sent are those whose release is not
+    ordered before that send by the schedule's own dependencies (actions of
+    a rank run in order; a consumer starts only after its message's send).
+    Those orderings are tracked as vector clocks (actions completed on every
+    rank before an action starts), over all ranks' lowered lists.
+    """
+    ranks = len(actions)
+    sends: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for r, acts in enumerate(actions):
+        for i, a in enumerate(acts):
+            if a.kind is Kind.SEND_F:
+                sends[("F", a.stage + 1, a.microbatch)] = (r, i)
+            elif a.kind is Kind.SEND_B:
+                sends[("B", a.stage - 1, a.microbatch)] = (r, i)
+    needs: dict[tuple[int, int], tuple[str, int, int]] = {}  # (rank, index) -> key it waits for
+    taken: set = set()
+    for r, acts in enumerate(actions):
+        for i, a in enumerate(acts):
+            if a.kind is Kind.F:
+                key = ("F", a.stage, a.microbatch)
+            elif a.kind in (Kind.B, Kind.I):
+                key = ("B", a.stage, a.microbatch)
+            else:
+                continue
+            if key in sends and key not in taken:
+                taken.add(key)
+                needs[(r, i)] = key
+    # start[r][i]: actions completed on each rank before action i of rank r starts.
+    start: list[list[list[int] | None]] = [[None] * len(acts) for acts in actions]
+    pos, done = [0] * ranks, [[0] * ranks for _ in range(ranks)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(ranks):
+            while pos[r] < len(actions[r]):
+                i = pos[r]
+                clock = list(done[r])
+                key = needs.get((r, i))
+                if key is not None:
+                    q, s = sends[key]
+                    if start[q][s] is None:
+                        break  # its message is not sent yet: another rank first
+                    clock = [max(x, y) for x, y in zip(clock, start[q][s])]
+                start[r][i] = clock
+                done[r] = clock[:r] + [i + 1] + clock[r + 1 :]
+                pos[r] += 1
+                progress = True
+    if any(p < len(acts) for p, acts in zip(pos, actions)):
+        raise ValueError("copy_slots: the action lists deadlock (validate the schedule)")
+    last = [last_use(acts) for acts in actions]
+    holder = {a.stage: r for r, acts in enumerate(actions) for a in acts if a.kind is Kind.F}
+    by_stream: dict[Stream, list[tuple[int, int, int, int]]] = {}
+    for key, (q, s) in sends.items():
+        r = holder[key[1]]
+        by_stream.setdefault(key[:2], []).append((s, q, r, last[r][(key[1], key[2])]))
+    slots: dict[Stream, int] = {}
+    for stream, msgs in by_stream.items():
+        msgs.sort()
+        peak = 0
+        for k, (s_k, q, r, _) in enumerate(msgs):
+            seen = start[q][s_k][r]  # receiver's actions finished before this send
+            held = 1 + sum(1 for s_j, _, _, rel in msgs[:k] if seen < rel + 1)
+            peak = max(peak, held)
+        slots[stream] = peak
+    return slots
+
+
 class BufferRing:
     """Byte buffers of one stream on one device, handed out by a native ``SlotRing``.
 
@@ -87,6 +165,8 @@ class BufferRing:
 
         self._slots = native().SlotRing(slots, growable)
         self._buffers: list[torch.Tensor | None] = []
+        self._device_fences: dict[int, object] = {}  # slot -> CudaEvent its next writer waits on
+        self._host_event = native().Event
         self.device = device
         self.timeout = timeout
         self.allocations = 0  # buffers created or enlarged: flat in steady state
@@ -98,14 +178,31 @@ class BufferRing:
             self._buffers.append(None)
         buf = self._buffers[slot]
         if buf is None or buf.numel() < nbytes:
+            fence = self._device_fences.pop(slot, None)
+            if fence is not None:
+                # The old buffer goes back to torch's allocator, which may hand
+                # it out at once: its last reader must be done with it first.
+                fence.synchronize()
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[slot] = buf
             self.allocations += 1
         return slot, buf[:nbytes]
 
     def put(self, slot: int, fence=None) -> None:
-        """Frees ``slot``; it is reused only after ``fence`` (an Event or None) is done."""
-        self._slots.release(slot, fence)
+        """Frees ``slot``; it is reused only after ``fence`` is done.
+
+        ``fence``: None (free at once), a ring Event (``get`` waits for it on
+        the host) or a device event (handed to the next ``fence_of(slot)``).
+        """
+        if fence is None or isinstance(fence, self._host_event):
+            self._slots.release(slot, fence)
+            return
+        self._device_fences[slot] = fence  # stored before the slot is free: seen by its next user
+        self._slots.release(slot, None)
+
+    def fence_of(self, slot: int):
+        """The device event a writer of ``slot`` (just from ``get``) must wait on, or None."""
+        return self._device_fences.pop(slot, None)
 
     def cancel(self, reason: str) -> None:
         """Wakes anyone waiting for a slot with RuntimeError and frees every slot."""
