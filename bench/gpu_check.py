@@ -7,16 +7,20 @@ still run. Figures go to stdout and, with ``--out``, to a JSON file.
 Sections:
   ring       fastpipe._C's CUDA backend: streams handed to torch as
              ExternalStream, events ordering work across them, host cost
-             of record+wait.
+             of record+wait, the copy lane (priority, a copy queued behind
+             its producer's event).
   kernels    the Triton kernels (activation, gated, norm, dropout) against
              their torch reference on CUDA tensors, forward and backward.
   pack       pack/unpack on CUDA: bit-exact round trip, wire casts equal to
              torch's, bandwidth against one device copy of the same bytes
              and against torch._foreach_copy_ into views.
   local      a 2-rank local pipeline with both ranks on cuda:0 against the
-             same stages run sequentially (gradients equal; step-time ratio;
-             per-action host overhead; caching-allocator segments created in
-             steady state; the share of transfer time hidden behind compute).
+             same stages run sequentially (gradients equal for gpipe, 1f1b,
+             zb-h1, zbv; step-time ratio; per-action host overhead;
+             caching-allocator segments and receive slots created in steady
+             state; ring off / ring on, i.e. copies on the compute stream
+             against the copy lanes; the share of the GPU's copy time that
+             overlapped a kernel, from the profiler's device timeline).
   recompute  selective recompute on CUDA: saved bytes and time ratio.
 
     python -m bench.gpu_check [--out FILE] [--sections ring,kernels,...]
@@ -114,6 +118,22 @@ def section_ring() -> None:
         event.wait(b)
     figure("host cost of one event record + stream wait", (time.perf_counter() - t0) / n * 1e6, " us")
     _sync()
+
+    # The copy lane: cudaMemcpyPeerAsync regions on a stream, after an event.
+    from fastpipe.runtime.lanes import CudaLanes
+
+    lanes = CudaLanes(torch.device("cuda:0"))
+    least, greatest = C.cuda_priority_range(0)
+    check("copy lane has the device's highest priority", lanes.copy_stream.priority == greatest,
+          f"range [{greatest}, {least}], copy {lanes.copy_stream.priority}")
+    with lanes.compute():
+        src = x @ x  # the producer, still running when the copy is queued
+        ready = lanes.record()
+    dst = torch.empty(src.numel() * 4 + 64, dtype=torch.uint8, device="cuda")
+    done = lanes.copy(dst, [(src, 64)], after=[ready])
+    lanes.synchronize(done)
+    back = dst[64:].view(torch.float32).view(src.shape)
+    check("copy lane copies after the producer's event", torch.equal(back, x @ x))
 
 
 # --- kernels ----------------------------------------------------------------------
@@ -232,6 +252,40 @@ def _hidden_share(sim) -> float | None:
     return min(1.0, hidden / total)
 
 
+def _copies_hidden(step) -> float | None:
+    """Share of the GPU's memcpy time during one step that overlapped a kernel
+    (from the torch profiler's device timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels, copies = [], []
+    for e in prof.events():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        name = e.name.lower()
+        if "memcpy" in name:
+            copies.append(span)
+        elif "memset" not in name:
+            kernels.append(span)
+    total = sum(e - s for s, e in copies)
+    if not total:
+        return None
+    kernels.sort()
+    merged: list[list[float]] = []
+    for s, e in kernels:
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    hidden = sum(max(0.0, min(e, ke) - max(s, ks)) for s, e in copies for ks, ke in merged)
+    return hidden / total
+
+
 def section_local() -> None:
     from fastpipe import Pipe
 
@@ -249,23 +303,47 @@ def section_local() -> None:
                 (loss_fn(seq(a), b) / chunks).backward()
 
         t_seq = _wall_time(sequential)
-        for schedule in ("gpipe", "1f1b", "zb-h1"):
+        for schedule in ("gpipe", "1f1b", "zb-h1", "zbv"):
             model = _mlp(width, blocks).to(DEV)
-            pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices)
-            if label == "compute-bound" and schedule == "1f1b":
+            spr = 2 if schedule == "zbv" else None
+            pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices, stages_per_rank=spr)
+            if label == "compute-bound":
                 for p in seq.parameters():
                     p.grad = None
                 sequential()
                 pipe.step(x, y, loss_fn)
                 diff = max((p.grad - q.grad).abs().max().item()
                            for p, q in zip(model.parameters(), seq.parameters()))
-                check("2-rank local pipeline on one device reproduces the sequential gradients", diff < 1e-4,
-                      f"max abs diff {diff:.1e}")
+                check(f"{schedule}: 2-rank local pipeline on one device reproduces the sequential "
+                      "gradients", diff < 1e-4, f"max abs diff {diff:.1e}")
+                if DEV == "cuda":
+                    lanes = pipe._device_lanes[0]
+                    check(f"{schedule}: ranks run on fastpipe's own streams",
+                          lanes.compute_stream.handle != torch.cuda.default_stream().cuda_stream
+                          and pipe._recv_rings is not None and bool(pipe._recv_rings.rings))
             t_pipe = _wall_time(lambda: pipe.step(x, y, loss_fn))
+            if DEV == "cuda":
+                # Ring off: each rank's copies queue on its compute stream.
+                off = Pipe(_mlp(width, blocks).to(DEV), chunks=chunks, schedule=schedule,
+                           devices=devices, stages_per_rank=spr, overlap=False)
+                t_off = _wall_time(lambda: off.step(x, y, loss_fn))
+                figure(f"{label} {schedule}: ring off / ring on step time", t_off / t_pipe, "",
+                       "copy lanes against copies on the compute stream")
+                off.close()
+                hidden = _copies_hidden(lambda: pipe.step(x, y, loss_fn))
+                if hidden is not None:
+                    figure(f"{label} {schedule}: copy time on the GPU hidden behind kernels", hidden, "",
+                           "torch profiler, device timeline")
+            rings = pipe._recv_rings
+            slots_before = {k: (r.size, r.allocations) for k, r in rings.rings.items()} if rings else {}
             before = _segments()
             for _ in range(5):
                 pipe.step(x, y, loss_fn)
             grown = _segments() - before
+            if rings:
+                slots_after = {k: (r.size, r.allocations) for k, r in rings.rings.items()}
+                check(f"{label} {schedule}: receive slots flat in steady state", slots_after == slots_before,
+                      f"{sum(n for n, _ in slots_after.values())} slots")
             actions = sum(len(a) for a in pipe._lowered.actions)
             _, sim = pipe.step_with_timeline(x, y, loss_fn)
             share = _hidden_share(sim)

@@ -569,6 +569,15 @@ def _resolve_devices(devices, ranks, distributed, group) -> list[torch.device]:
             raise ValueError(f"unknown device {d!r} in devices={list(devices)!r}") from err
     if ranks is not None and len(out) != ranks:
         raise ValueError(f"devices has {len(out)} entries but the process group has {ranks} ranks")
+    cuda = [d for d in out if d.type == "cuda"]
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError(f"devices={[str(d) for d in out]!r} names CUDA devices, but torch has no "
+                           "usable CUDA here (a CPU build of torch, or no GPU/driver)")
+    count = torch.cuda.device_count() if cuda else 0
+    for d in cuda:
+        if d.index is not None and d.index >= count:
+            raise ValueError(f"device {d} in devices={[str(x) for x in out]!r} does not exist: "
+                             f"{count} CUDA devices")
     return out
 
 

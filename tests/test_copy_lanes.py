@@ -257,3 +257,13 @@ def test_copy_slots_is_the_worst_case_over_timings(schedule, ranks, chunks):
             assert n <= bound[stream], (stream, n, bound[stream])
             seen[stream] = max(seen.get(stream, 0), n)
     assert seen == bound
+
+
+def test_cuda_lanes_say_why_they_cannot_start():
+    from fastpipe._ext import native
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(RuntimeError, match="cuda:0"):
+        lanes_mod.CudaLanes(torch.device("cuda:0"))
+    assert isinstance(native().cuda_status(), str)

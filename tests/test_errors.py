@@ -47,6 +47,8 @@ CONSTRUCTION = [
     ("spr-unsupported", {"schedule": "1f1b", "stages_per_rank": 2}, ValueError, "stages_per_rank"),
     ("device-unknown", {"devices": ["cpu", "tpu:0"]}, ValueError, "unknown device 'tpu:0'"),
     ("devices-empty", {"devices": []}, ValueError, "non-empty list"),
+    *([("devices-cuda-without-cuda", {"devices": ["cuda:0", "cuda:0"]}, RuntimeError,
+        r"names CUDA devices, but torch has no usable CUDA")] if not torch.cuda.is_available() else []),
     ("devices-string", {"devices": "cpu"}, ValueError, "non-empty list, one per pipeline rank, got 'cpu'"),
     ("timeout", {"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
     ("overlap", {"overlap": "yes"}, TypeError, r"overlap must be a bool or None, got str \(.yes.\)"),
