@@ -155,7 +155,14 @@ class Pipe(nn.Module):
         ranks = dist.get_world_size(group) if self.distributed else None
         self.devices = _resolve_devices(devices, ranks, self.distributed, group)
         ranks = len(self.devices) if ranks is None else ranks
-        self.overlap = overlap if overlap is not None else any(d.type != "cpu" for d in self.devices)
+        self._nccl = self.distributed and dist.get_backend(group) == "nccl"
+        if self._nccl and overlap:
+            raise ValueError(
+                "overlap=True is not supported on NCCL: its P2P already runs on NCCL's own streams, "
+                "and fastpipe issues it from the rank's compute stream (leave overlap=None)"
+            )
+        self.overlap = (overlap if overlap is not None
+                        else not self._nccl and any(d.type != "cpu" for d in self.devices))
         self.schedule = _resolve_schedule(schedule, ranks, chunks, stages_per_rank)
         self.rank = dist.get_rank(group) if self.distributed else None
         self._lowered = lower(self.schedule)
@@ -179,6 +186,7 @@ class Pipe(nn.Module):
         # are. (_copies=True forces the copy path on CPUs, with host lanes: tests.)
         self._copies = not self.distributed and any(d.type == "cuda" for d in self.devices)
         self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
+        self._exact_messages = self._nccl  # NCCL: message sizes match exactly (True: tests on gloo)
         self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:
@@ -294,7 +302,9 @@ class Pipe(nn.Module):
                 self._dist_transport = DistTransport(
                     self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
                     self._wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
-                    groups=self._p2p_groups,
+                    groups=self._p2p_groups, exact=self._exact_messages,
+                    # NCCL sends GPU memory; gloo's P2P takes host tensors.
+                    buffers=self.devices[rank] if self._nccl else torch.device("cpu"),
                 )
             return self._dist_transport
         # Local lanes: 0..ranks-1 run each rank's loop, ranks.. its sends.
@@ -305,8 +315,8 @@ class Pipe(nn.Module):
         return LocalTransport(mailbox, rank, self.devices, self.timeout, lanes, self._wire)
 
     def _lanes_of(self, rank: int):
-        """The device lanes of a local rank: its CUDA streams (made once), or host
-        lanes on the current ring (whose lane ranks + rank runs its copies)."""
+        """The device lanes of a rank: its CUDA streams (made once), or host
+        lanes on the current ring (local mode: lane ranks + rank runs its copies)."""
         lanes = self._device_lanes.get(rank)
         if lanes is None or getattr(lanes, "ring", self._ring) is not self._ring:
             lanes = lanes_for(self.devices[rank], self._ring, self.schedule.ranks + rank,
@@ -416,8 +426,19 @@ class Pipe(nn.Module):
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording
+            # NCCL: the rank's work runs on its own compute stream; isend is
+            # issued there after the data's kernels, and Work.wait() there
+            # orders the consumer after the receive (see DistTransport).
+            lanes = self._lanes_of(self.rank) if self._nccl else None
             try:
-                return executor.run(inputs, targets, loss_fn, train)
+                if lanes is None:
+                    return executor.run(inputs, targets, loss_fn, train)
+                lanes.enter_from_caller()
+                try:
+                    with lanes.compute():
+                        return executor.run(inputs, targets, loss_fn, train)
+                finally:
+                    lanes.exit_to_caller()
             except BaseException as exc:
                 self._broken = exc
                 raise

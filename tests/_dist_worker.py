@@ -42,7 +42,9 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         timeout=60, overlap=case.get("overlap", True),
                         checkpoint=case.get("checkpoint", "never"),
                         wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"))
+            pipe._exact_messages = case.get("exact", False)  # NCCL's size rule, on gloo
             losses, outs, rings, p2p = [], [], [], []
+            del _SIZES[:]
             for x, y in case["batches"]:
                 counts.clear()
                 losses.append(pipe.step(x, y, nn.functional.mse_loss))
@@ -52,13 +54,16 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
-                            "flow_groups": len(_FLOW_GROUPS)})
+                            "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES)})
         torch.save({"ok": results}, out_path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out_path)
         raise
     finally:
         dist.destroy_process_group()
+
+
+_SIZES: list = []  # (op, this rank, peer, tag, bytes) of every isend/irecv of a case
 
 
 def _count_p2p() -> dict:
@@ -75,6 +80,10 @@ def _count_p2p() -> dict:
             by_group = {id(g): d for made in _FLOW_GROUPS.values() for d, g in made.items()}
             where = f"{_name} {by_group.get(id(kwargs.get('group')), 'other')}"
             counts[where] = counts.get(where, 0) + 1
+            peer = kwargs.get("dst", kwargs.get("src"))
+            tensor = args[0] if args else kwargs["tensor"]
+            _SIZES.append((_name, dist.get_rank(), peer, kwargs.get("tag"),
+                           tensor.numel() * tensor.element_size()))
             return _real(*args, **kwargs)
 
         setattr(dist, name, counted)

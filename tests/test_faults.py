@@ -58,8 +58,11 @@ def _failed_fast(res: dict, kind: str, *words: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_forward_error_on_one_rank_fails_both(tmp_path):
-    (r0, r1), codes = _run({"fault": "forward", "rank": 1, "stage": 1, "at": 1}, tmp_path)
+@pytest.mark.parametrize("exact", [False, True], ids=["gloo-sizes", "exact-sizes"])
+def test_forward_error_on_one_rank_fails_both(tmp_path, exact):
+    """At step 1 the capacities are known: exact abort notices take the posted size."""
+    (r0, r1), codes = _run({"fault": "forward", "rank": 1, "stage": 1, "at": 1, "exact": exact},
+                           tmp_path)
     _failed_fast(r1, "ValueError", "boom in forward")
     _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "boom in forward")
     assert len(r0["losses"]) == len(r1["losses"]) == 1  # step 0 went through
@@ -67,8 +70,11 @@ def test_forward_error_on_one_rank_fails_both(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_backward_error_on_the_other_rank_fails_both(tmp_path):
-    (r0, r1), _ = _run({"fault": "backward", "rank": 0, "stage": 0, "at": 0}, tmp_path)
+@pytest.mark.parametrize("exact", [False, True], ids=["gloo-sizes", "exact-sizes"])
+def test_backward_error_on_the_other_rank_fails_both(tmp_path, exact):
+    """With exact messages (NCCL's rule) the abort notices are padded too."""
+    (r0, r1), _ = _run({"fault": "backward", "rank": 0, "stage": 0, "at": 0, "exact": exact},
+                       tmp_path)
     _failed_fast(r0, "RuntimeError", "boom in backward")
     _failed_fast(r1, "PeerError", "pipeline rank 0 failed", "boom in backward")
 

@@ -328,6 +328,13 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 # the posted tag, followed by the full message on the next tag. A rank that
 # fails sends [length | ABORT][reason] on the tag of every message it still
 # owed, so whoever waits for one learns who failed and why, at once.
+#
+# NCCL needs every receive to be exactly the size of its send. With
+# ``exact`` every message on a posted tag (data, notice or abort) is padded to
+# the size the receiver posted, max(capacity, _MIN_POST), which both ends
+# know; the full message after a notice is exactly the announced total. The
+# buffers then live on the GPU (``buffers``) and the receiver copies the
+# first bytes (prefix and head) to the host to read them.
 
 # gloo's TCP transport handles each pair of ranks on one socket, guarded by
 # one lock that the caller of isend/irecv holds while it writes, and an event
@@ -410,29 +417,64 @@ _HEADS_MAX = 1024  # entries of each head cache below (a boundary has one or a f
 _WRITTEN: dict[tuple[bytes, int], np.ndarray] = {}  # (head, flags) -> prefix + head bytes
 
 
+_WRITTEN_ON: dict[tuple[bytes, int, torch.device], torch.Tensor] = {}  # the same, on a GPU
+
+
 def write_head(buf: torch.Tensor, head: bytes, flags: int = 0) -> None:
     """Writes the prefix (data offset, flags) and the head at the start of a
-    CPU buffer, as one copy of bytes made once per head (a boundary sends the
-    same head every microbatch)."""
+    buffer, as one copy of bytes made once per head (a boundary sends the
+    same head every microbatch); on a GPU, one device copy of a cached block."""
     block = _WRITTEN.get((head, flags))
     if block is None:
         block = np.frombuffer(struct.pack("=qq", _prefixed(head), flags) + head, dtype=np.uint8)
         if len(_WRITTEN) >= _HEADS_MAX:
             _WRITTEN.clear()
+            _WRITTEN_ON.clear()
         _WRITTEN[(head, flags)] = block
-    buf[: block.size].numpy()[:] = block
+    if buf.device.type == "cpu":
+        buf[: block.size].numpy()[:] = block
+        return
+    on = _WRITTEN_ON.get((head, flags, buf.device))
+    if on is None:
+        on = torch.from_numpy(block.copy()).to(buf.device)
+        _WRITTEN_ON[(head, flags, buf.device)] = on
+    buf[: on.numel()].copy_(on, non_blocking=True)
+
+
+def host_bytes(buf: torch.Tensor, nbytes: int = _MIN_POST) -> torch.Tensor:
+    """The first ``nbytes`` (at most) of a received buffer, on the host: the
+    buffer itself on CPU, a copy from a GPU (ordered after the receive,
+    which the current stream waits for)."""
+    if buf.device.type == "cpu":
+        return buf
+    return buf[: min(buf.numel(), nbytes)].cpu()
+
+
+def _message(total: int, flags: int, payload: bytes, size: int, device: torch.device) -> torch.Tensor:
+    """A control message [total | flags][payload], padded to ``size`` bytes."""
+    msg = torch.zeros(max(size, _PREFIX + len(payload)), dtype=torch.uint8)
+    msg[:_PREFIX].view(torch.int64).copy_(torch.tensor([total, flags]))
+    if payload:
+        msg[_PREFIX : _PREFIX + len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    return msg if device.type == "cpu" else msg.to(device)
 
 
 _HEADS: dict[bytes, tuple[Layout, Spec, tuple[bool, ...]]] = {}
 
 
-def read_head(buf: torch.Tensor) -> tuple[int, int, Layout, Spec, tuple[bool, ...]]:
+def read_head(buf: torch.Tensor, host: torch.Tensor | None = None
+              ) -> tuple[int, int, Layout, Spec, tuple[bool, ...]]:
     """(data offset, flags, layout, spec, grads) of a received message.
 
-    Decoded heads are cached by their bytes: a boundary sends the same head
-    every microbatch, and reusing its Layout keeps the Layout's unpack plan."""
-    start, flags = buf[:_PREFIX].view(torch.int64).tolist()
-    head = buf[_PREFIX:start].numpy().tobytes()
+    ``host``: the buffer's first bytes on the host, when ``buf`` is on a GPU
+    (``host_bytes``). Decoded heads are cached by their bytes: a boundary
+    sends the same head every microbatch, and reusing its Layout keeps the
+    Layout's unpack plan."""
+    host = host_bytes(buf) if host is None else host
+    start, flags = host[:_PREFIX].view(torch.int64).tolist()
+    if start > host.numel():  # a head longer than the first bytes read
+        host = host_bytes(buf, start)
+    head = host[_PREFIX:start].numpy().tobytes()
     decoded = _HEADS.get(head)
     if decoded is None:
         layout, spec, grads = decode_head(head)
@@ -498,12 +540,15 @@ class DistTransport:
     ``receive_slots`` for each action list the rank runs (training and
     inference differ); send buffers from growable rings.
 
-    On NCCL (not yet supported here, see docs/status.md) the buffers would live
-    on the GPU and the lanes would be CUDA streams: ProcessGroupNCCL runs P2P on
-    its own streams, which wait on the current stream when the call is made,
-    and ``Work.wait()`` makes the current stream wait; so isend must be issued
-    under the lane that produced the data and waited under the one that
-    consumes it.
+    On NCCL (``exact``, ``buffers`` on the GPU, inline) ProcessGroupNCCL runs
+    P2P on its own streams, which wait on the *current* stream when the call
+    is made, and ``Work.wait()`` makes the current stream wait for the P2P.
+    The Pipe runs the rank on its compute stream, so every call here is made
+    from that stream: an isend is ordered after the kernels that packed its
+    data; a receive's consumer (and the host copy of its head) after the
+    receive; an irecv into a slot is posted after the compute-stream work of
+    the slot's last reader, so the slot needs no event of its own; a send
+    slot is reused only after ``is_completed()`` or ``wait()`` of its send.
     """
 
     group: dist.ProcessGroup | None
@@ -526,6 +571,10 @@ class DistTransport:
     posts_ahead = True  # every receive of a step is handed over when it starts
 
     stage_to_rank: tuple = ()  # the schedule's placement (set by the Pipe)
+    # NCCL: every message exactly the size its receiver posted (see above),
+    # in buffers on this device.
+    exact: bool = False
+    buffers: torch.device = torch.device("cpu")
     # "up" / "down" -> the process group for messages to a higher / lower
     # rank (flow_groups); without them everything uses ``group``.
     groups: dict = field(default_factory=dict)
@@ -548,6 +597,10 @@ class DistTransport:
         direction, stage, mb = key
         return ((mb * self.stages + stage) * 2 + (direction == "B")) * 2
 
+    def _posted_size(self, stream: Stream) -> int:
+        """Bytes the receiver of ``stream`` posts: what an exact message is padded to."""
+        return max(self._capacity.get(stream, 0), _MIN_POST)
+
     def _note(self, key: Key, nbytes: int) -> None:
         stream = key[:2]
         self._seen[stream] = max(self._seen.get(stream, 0), nbytes)
@@ -557,7 +610,7 @@ class DistTransport:
         rings = self._recv_rings.get(id(actions))
         if rings is None:
             rings = {
-                stream: BufferRing(n, torch.device("cpu"), growable=False, timeout=self.timeout)
+                stream: BufferRing(n, self.buffers, growable=False, timeout=self.timeout)
                 for stream, n in receive_slots(actions).items()
             }
             self._recv_rings[id(actions)] = rings
@@ -597,10 +650,12 @@ class DistTransport:
         start = _prefixed(head)
         total = start + layout.nbytes
         self._note(key, total)
+        posted = self._posted_size(key[:2]) if self.exact else 0
         if total > self._capacity.get(key[:2], 0):
             # Over capacity: announce the size on the posted tag, send on the next.
-            notice = torch.tensor([total, _OVERSIZE], dtype=torch.int64).view(torch.uint8)
-            buf = torch.empty(total, dtype=torch.uint8)  # a one-off size: not worth a slot
+            notice = _message(total, _OVERSIZE, b"", posted, self.buffers)
+            # A one-off size: not worth a slot.
+            buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
             write_head(buf, head)
             pack_into(buf[start:], tensors, layout)
             return [(dist.isend(notice, dst=peer, group=group, tag=tag), notice, None, -1, dst),
@@ -608,9 +663,9 @@ class DistTransport:
         ring = self._send_rings.get(key[:2])
         if ring is None:
             ring = self._send_rings[key[:2]] = BufferRing(
-                1, torch.device("cpu"), growable=True, timeout=self.timeout
+                1, self.buffers, growable=True, timeout=self.timeout
             )
-        slot, buf = ring.get(total)
+        slot, buf = ring.get(max(total, posted))  # exact: padded to what the receiver posted
         write_head(buf, head)
         pack_into(buf[start:], tensors, layout)
         return [(dist.isend(buf, dst=peer, group=group, tag=tag), buf, ring, slot, dst)]
@@ -662,7 +717,7 @@ class DistTransport:
 
     def _post(self, src: int, key: Key) -> _Posted:
         ring = self._rings[key[:2]]
-        slot, buf = ring.get(max(self._capacity.get(key[:2], 0), _MIN_POST))
+        slot, buf = ring.get(self._posted_size(key[:2]))
         try:
             work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key))
         except BaseException:
@@ -678,21 +733,24 @@ class DistTransport:
         try:
             self._wait(posted.work, what, src)
             buf = posted.buf
-            total, flags = buf[:_PREFIX].view(torch.int64).tolist()
+            host = host_bytes(buf)  # one copy to the host on a GPU: prefix and head
+            total, flags = host[:_PREFIX].view(torch.int64).tolist()
             if flags & _ABORT:
-                reason = bytes(buf[_PREFIX:total].tolist()).decode("utf-8", "replace")
-                raise PeerError(f"pipeline rank {src} failed: {reason}")
+                reason = bytes(host[_PREFIX : min(total, host.numel())].tolist())
+                raise PeerError(f"pipeline rank {src} failed: {reason.decode('utf-8', 'replace')}")
             if flags & _OVERSIZE:  # a notice: the message follows on the next tag
                 posted.ring.put(posted.slot)
                 held = None
-                buf = torch.empty(total, dtype=torch.uint8)
+                buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
                 work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
                 self._wait(work, what, src)
-            start, _, layout, spec, grads = read_head(buf)
+                host = host_bytes(buf)
+            start, _, layout, spec, grads = read_head(buf, host)
             self._note(key, start + layout.nbytes)
             tensors = received(buf, start, layout, grads)
-            copied = self.device.type != "cpu" or all(s.wire is not None for s in layout.slots)
-            if self.device.type != "cpu":
+            staged = buf.device != self.device  # gloo with a GPU: the buffers are on the host
+            copied = staged or all(s.wire is not None for s in layout.slots)
+            if staged:
                 tensors = [x.detach().to(self.device).requires_grad_(x.requires_grad) for x in tensors]
             if copied and held is not None:
                 posted.ring.put(posted.slot)  # no view into the slot is left
@@ -754,10 +812,8 @@ class DistTransport:
         payload = reason.encode("utf-8")[: _MIN_POST - _PREFIX]
         notices = []
         for key, dst in unsent:
-            msg = torch.empty(_PREFIX + len(payload), dtype=torch.uint8)
-            msg[:_PREFIX].view(torch.int64).copy_(torch.tensor([msg.numel(), _ABORT]))
-            if payload:
-                msg[_PREFIX:].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+            size = self._posted_size(key[:2]) if self.exact else 0
+            msg = _message(_PREFIX + len(payload), _ABORT, payload, size, self.buffers)
             try:
                 notices.append((dist.isend(msg, dst=self.peer(dst), group=self._group(key), tag=self.tag(key)), msg))
             except RuntimeError:
@@ -790,7 +846,7 @@ class DistTransport:
         for key, src in self._expected:
             if key in self._posted:
                 continue
-            buf = torch.empty(max(self._capacity.get(key[:2], 0), _MIN_POST), dtype=torch.uint8)
+            buf = torch.empty(self._posted_size(key[:2]), dtype=torch.uint8, device=self.buffers)
             try:
                 work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key))
             except RuntimeError:
@@ -808,9 +864,9 @@ class DistTransport:
         try:
             if not _wait_until(work, deadline):
                 return
-            total, flags = buf[:_PREFIX].view(torch.int64).tolist()
+            total, flags = host_bytes(buf, _PREFIX)[:_PREFIX].view(torch.int64).tolist()
             if flags & _OVERSIZE:
-                full = torch.empty(total, dtype=torch.uint8)
+                full = torch.empty(total, dtype=torch.uint8, device=self.buffers)
                 rest = dist.irecv(full, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
                 _wait_until(rest, deadline)
         except RuntimeError:
