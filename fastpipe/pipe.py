@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
 from fastpipe.runtime.transport import (
     CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, flow_groups,
+    late_group,
 )
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
@@ -156,13 +158,17 @@ class Pipe(nn.Module):
         self.devices = _resolve_devices(devices, ranks, self.distributed, group)
         ranks = len(self.devices) if ranks is None else ranks
         self._nccl = self.distributed and dist.get_backend(group) == "nccl"
-        if self._nccl and overlap:
+        # Exact messages: NCCL's rules (sizes equal, matched by order, not tag).
+        # FASTPIPE_EXACT_MESSAGES=1 applies them on gloo, which is how they are tested.
+        self._exact_messages = self.distributed and (
+            self._nccl or os.environ.get("FASTPIPE_EXACT_MESSAGES") == "1")
+        if self._exact_messages and overlap:
             raise ValueError(
                 "overlap=True is not supported on NCCL: its P2P already runs on NCCL's own streams, "
                 "and fastpipe issues it from the rank's compute stream (leave overlap=None)"
             )
         self.overlap = (overlap if overlap is not None
-                        else not self._nccl and any(d.type != "cpu" for d in self.devices))
+                        else not self._exact_messages and any(d.type != "cpu" for d in self.devices))
         self.schedule = _resolve_schedule(schedule, ranks, chunks, stages_per_rank)
         self.rank = dist.get_rank(group) if self.distributed else None
         self._lowered = lower(self.schedule)
@@ -186,7 +192,6 @@ class Pipe(nn.Module):
         # are. (_copies=True forces the copy path on CPUs, with host lanes: tests.)
         self._copies = not self.distributed and any(d.type == "cuda" for d in self.devices)
         self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
-        self._exact_messages = self._nccl  # NCCL: message sizes match exactly (True: tests on gloo)
         self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:
@@ -194,6 +199,7 @@ class Pipe(nn.Module):
         # gloo: messages up and down the ranks on separate groups (see flow_groups).
         gloo = self.distributed and dist.get_backend(group) == "gloo"
         self._p2p_groups = flow_groups(group) if gloo else {}
+        self._late_group = late_group(group) if self._exact_messages else None
         self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
@@ -302,7 +308,8 @@ class Pipe(nn.Module):
                 self._dist_transport = DistTransport(
                     self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
                     self._wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
-                    groups=self._p2p_groups, exact=self._exact_messages,
+                    groups=self._p2p_groups, exact=self._exact_messages, late=self._late_group,
+                    rank=rank,
                     # NCCL sends GPU memory; gloo's P2P takes host tensors.
                     buffers=self.devices[rank] if self._nccl else torch.device("cpu"),
                 )
@@ -421,8 +428,10 @@ class Pipe(nn.Module):
 
     def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool) -> dict[int, Any]:
         if self.distributed:
-            executor = RankExecutor(self.rank, schedule, self._stages[self.rank],
-                                    self._transport(self.rank, None), self.checkpoint)
+            transport = self._transport(self.rank, None)
+            transport.all_actions = schedule.actions  # exact messages follow the senders' order
+            executor = RankExecutor(self.rank, schedule, self._stages[self.rank], transport,
+                                    self.checkpoint)
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording

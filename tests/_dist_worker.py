@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import traceback
 
@@ -37,12 +38,13 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
                 group = pairs[rank // 2]
             model = getattr(models, case["model"])()
+            # NCCL's message rules (exact sizes, order not tags), on gloo; inline only.
+            os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if case.get("exact") else "0"
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"], group=group,
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
-                        timeout=60, overlap=case.get("overlap", True),
+                        timeout=60, overlap=case.get("overlap", not case.get("exact")),
                         checkpoint=case.get("checkpoint", "never"),
                         wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"))
-            pipe._exact_messages = case.get("exact", False)  # NCCL's size rule, on gloo
             losses, outs, rings, p2p = [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:
@@ -69,7 +71,7 @@ _SIZES: list = []  # (op, this rank, peer, tag, bytes) of every isend/irecv of a
 def _count_p2p() -> dict:
     """Counts isend/irecv calls from here on (the worker's own process): by kind
     ("isend"), and by kind and the flow group they used ("isend up")."""
-    from fastpipe.runtime.transport import _FLOW_GROUPS  # read only: never makes groups
+    from fastpipe.runtime.transport import _FLOW_GROUPS, _LATE_GROUPS  # read only
 
     counts: dict = {}
     for name in ("isend", "irecv"):
@@ -77,12 +79,14 @@ def _count_p2p() -> dict:
 
         def counted(*args, _real=real, _name=name, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
-            by_group = {id(g): d for made in _FLOW_GROUPS.values() for d, g in made.items()}
+            by_group = {id(g): d for cache in (_FLOW_GROUPS, _LATE_GROUPS)
+                        for made in cache.values() for d, g in made.items()}
             where = f"{_name} {by_group.get(id(kwargs.get('group')), 'other')}"
             counts[where] = counts.get(where, 0) + 1
             peer = kwargs.get("dst", kwargs.get("src"))
             tensor = args[0] if args else kwargs["tensor"]
-            _SIZES.append((_name, dist.get_rank(), peer, kwargs.get("tag"),
+            group = by_group.get(id(kwargs.get("group")), "other")
+            _SIZES.append((_name, dist.get_rank(), peer, (group, kwargs.get("tag")),
                            tensor.numel() * tensor.element_size()))
             return _real(*args, **kwargs)
 

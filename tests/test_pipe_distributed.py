@@ -144,7 +144,10 @@ def test_inline_transfers_and_steady_state_buffers(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_four_ranks_subset(tmp_path):
+    """Four ranks; exact messages too, where zbv's and dualpipev's receivers
+    post in their senders' order, not their own."""
     cases = [_case(s, model="mlp_deep", chunks=8) for s in ("1f1b", "interleaved-1f1b", "zb-h2", "zbv")]
+    cases += [_case(s, model="mlp_deep", chunks=8, exact=True, steps=2) for s in ("zbv", "dualpipev")]
     _verify(cases, _spawn(4, cases, tmp_path))
 
 
@@ -198,16 +201,21 @@ def _sizes_by_message(results, i):
 
 
 @pytest.mark.timeout(300)
-def test_exact_message_sizes_as_nccl_needs(tmp_path):
-    """NCCL needs each receive to be exactly as large as its send: with the
-    Pipe's exact messages (on by itself for NCCL) every isend has the size of
-    its irecv, through growing sequence lengths (oversize notices), uneven
-    microbatches (padded messages), five-tensor boundaries, a V schedule and
-    both inline and lanes transfers; without them the sizes differ."""
-    cases = [_case("1f1b", model="embedding_model", chunks=3, steps=3, exact=True),
-             _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2, exact=True),
-             _case("interleaved-1f1b", steps=2, exact=True, overlap=False),
-             _case("1f1b", model="embedding_model", chunks=3, steps=3)]
+def test_nccl_message_rules_on_gloo(tmp_path):
+    """NCCL needs each receive exactly as large as its send, and matches a
+    pair's messages by order, ignoring tags. With exact messages (on by
+    themselves for NCCL) every message goes with tag 0, so gloo matches by
+    order too: every schedule still reproduces the sequential gradients --
+    zbv's receiver posts in its sender's order, which differs from its own --
+    and every isend has the size of its irecv, through growing sequence
+    lengths (oversize notices, whose follow-ups travel on a group of their
+    own), uneven microbatches (padded messages) and five-tensor boundaries.
+    Without exact messages the sizes differ."""
+    cases = [_case(s, exact=True, steps=2) for s in names()]
+    cases += [_case("1f1b", model="embedding_model", chunks=3, steps=3, exact=True),
+              _case("zbv", model="embedding_model", steps=3, exact=True),
+              _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2, exact=True),
+              _case("1f1b", model="embedding_model", chunks=3, steps=3)]
     results = _spawn(2, cases, tmp_path)
     _verify(cases, results)
     for i, case in enumerate(cases):

@@ -329,12 +329,19 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 # fails sends [length | ABORT][reason] on the tag of every message it still
 # owed, so whoever waits for one learns who failed and why, at once.
 #
-# NCCL needs every receive to be exactly the size of its send. With
-# ``exact`` every message on a posted tag (data, notice or abort) is padded to
-# the size the receiver posted, max(capacity, _MIN_POST), which both ends
-# know; the full message after a notice is exactly the announced total. The
-# buffers then live on the GPU (``buffers``) and the receiver copies the
-# first bytes (prefix and head) to the host to read them.
+# NCCL needs every receive to be exactly the size of its send, and matches a
+# pair's messages by order (it ignores tags). With ``exact``:
+# - every message on a posted tag (data, notice or abort) is padded to the
+#   size the receiver posted, max(capacity, _MIN_POST), which both ends know;
+# - every tag is 0, and the receiver posts and completes each peer's
+#   messages in the order that peer sends them (``sender_orders``; in some V
+#   schedules it differs from the receiver's own RECV order), keeping those
+#   its consumers do not need yet;
+# - the full message after an oversize notice goes on a group of its own
+#   (``late_group``), in the same order, exactly the announced total.
+# The buffers then live on the GPU (``buffers``) and the receiver copies the
+# first bytes (prefix and head) to the host to read them. Lanes mode is not
+# used (NCCL's own streams overlap the transfers).
 
 # gloo's TCP transport handles each pair of ranks on one socket, guarded by
 # one lock that the caller of isend/irecv holds while it writes, and an event
@@ -360,17 +367,36 @@ def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]
     of two Pipes never run at once in one process); they live until
     ``destroy_process_group()``, after which the next call forgets them.
     """
+    return _groups_over(_FLOW_GROUPS, group, ("up", "down"), "gloo")
+
+
+_LATE_GROUPS: dict = {}  # parent group -> {"late": group}
+
+
+def late_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A process group over ``group``'s ranks (same backend) for the full
+    message that follows an oversize notice when messages are exact.
+
+    NCCL matches a pair's messages by order, not by tag, and the receiver has
+    usually posted the next receives already: a follow-up sent on the same
+    group would land in one of them. On a group of its own the follow-ups
+    keep their own order, which both ends walk in the sender's order.
+    Collective and cached like ``flow_groups``.
+    """
     parent = group if group is not None else dist.group.WORLD
-    for stale in [p for p in _FLOW_GROUPS if not _alive(p)]:
-        del _FLOW_GROUPS[stale]  # destroyed with its world: drop it and its groups
-    found = _FLOW_GROUPS.get(parent)
+    return _groups_over(_LATE_GROUPS, group, ("late",), dist.get_backend(parent))["late"]
+
+
+def _groups_over(cache: dict, group, names: tuple[str, ...], backend: str) -> dict:
+    parent = group if group is not None else dist.group.WORLD
+    for stale in [p for p in cache if not _alive(p)]:
+        del cache[stale]  # destroyed with its world: drop it and its groups
+    found = cache.get(parent)
     if found is None:
         ranks = dist.get_process_group_ranks(parent)
-        found = {
-            flow: dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-            for flow in ("up", "down")
-        }
-        _FLOW_GROUPS[parent] = found  # holds ``parent``: its key is never reused
+        found = {name: dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+                 for name in names}
+        cache[parent] = found  # holds ``parent``: its key is never reused
     return found
 
 
@@ -491,6 +517,26 @@ def received(buf: torch.Tensor, start: int, layout: Layout, grads: Sequence[bool
     return [t.requires_grad_(g) for t, g in zip(unpack(buf[start:], layout), grads)]
 
 
+def sender_orders(all_actions: Sequence[Sequence[Action]], me: int,
+                  stage_to_rank: Sequence[int]) -> dict[int, deque]:
+    """For every rank that sends to ``me``: the keys of its messages to ``me``,
+    in the order it sends them (its lowered list's SEND order).
+
+    A backend that matches a pair's messages by order (NCCL) needs the
+    receiver to post in this order, which differs from the receiver's own
+    RECV order in some V schedules (zbv on 2 ranks, dualpipev on 4)."""
+    orders: dict[int, deque] = {}
+    for src, actions in enumerate(all_actions):
+        if src == me:
+            continue
+        for a in actions:
+            if a.kind is Kind.SEND_F and stage_to_rank[a.stage + 1] == me:
+                orders.setdefault(src, deque()).append(("F", a.stage + 1, a.microbatch))
+            elif a.kind is Kind.SEND_B and stage_to_rank[a.stage - 1] == me:
+                orders.setdefault(src, deque()).append(("B", a.stage - 1, a.microbatch))
+    return orders
+
+
 @dataclass
 class _Posted:
     """A receive posted into a slot of its stream's ring."""
@@ -504,12 +550,16 @@ class _Posted:
 class _DistRecv:
     """The pending receive the executor waits on (inline or on the lanes)."""
 
-    def __init__(self, transport: DistTransport, src: int, key: Key, posted=None, event=None):
+    def __init__(self, transport: DistTransport, src: int, key: Key, posted=None, event=None,
+                 exact: bool = False):
         self.transport, self.src, self.key = transport, src, key
-        self._posted, self._event = posted, event
+        self._posted, self._event, self._exact = posted, event, exact
         self._slot: tuple[BufferRing, int] | None = None
 
     def wait(self) -> Payload:
+        if self._exact:
+            tensors, spec, self._slot = self.transport._take_exact(self.src, self.key)
+            return tensors, spec
         if self._event is not None:
             tensors, spec, self._slot = self._event.wait()
             return tensors, spec
@@ -575,6 +625,14 @@ class DistTransport:
     # in buffers on this device.
     exact: bool = False
     buffers: torch.device = torch.device("cpu")
+    late: dist.ProcessGroup | None = None  # exact: where follow-ups of notices go (late_group)
+    rank: int = -1  # this rank in the pipeline (exact: to know who sends what, in which order)
+    all_actions: Sequence = ()  # exact: every rank's lowered list of the step (set by the Pipe)
+    # exact, per step: keys each peer sends us, in its order, not yet posted;
+    # posted receives not yet completed, in that order; completed, not taken.
+    _order: dict = field(default_factory=dict)
+    _inflight: dict = field(default_factory=dict)
+    _ready: dict = field(default_factory=dict)
     # "up" / "down" -> the process group for messages to a higher / lower
     # rank (flow_groups); without them everything uses ``group``.
     groups: dict = field(default_factory=dict)
@@ -594,6 +652,8 @@ class DistTransport:
         return self.groups["up" if src < self._owner(stage) else "down"]
 
     def tag(self, key: Key) -> int:
+        if self.exact:
+            return 0  # matched by order, as NCCL does (which ignores tags)
         direction, stage, mb = key
         return ((mb * self.stages + stage) * 2 + (direction == "B")) * 2
 
@@ -610,7 +670,9 @@ class DistTransport:
         rings = self._recv_rings.get(id(actions))
         if rings is None:
             rings = {
-                stream: BufferRing(n, self.buffers, growable=False, timeout=self.timeout)
+                # exact: receives follow the senders' order, which may need a
+                # slot before this rank's own order frees one: grow then.
+                stream: BufferRing(n, self.buffers, growable=self.exact, timeout=self.timeout)
                 for stream, n in receive_slots(actions).items()
             }
             self._recv_rings[id(actions)] = rings
@@ -620,6 +682,10 @@ class DistTransport:
         self._posted = set()
         self._window = deque()
         self._expected = []
+        if self.exact:
+            self._order = sender_orders(self.all_actions, self.rank, self.stage_to_rank)
+            self._inflight = {src: deque() for src in self._order}
+            self._ready = {}
         for a in actions:
             if a.kind is Kind.RECV_F:
                 self._expected.append((("F", a.stage, a.microbatch), self._owner(a.stage - 1)))
@@ -658,8 +724,9 @@ class DistTransport:
             buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
             write_head(buf, head)
             pack_into(buf[start:], tensors, layout)
+            late, late_tag = (self.late, 0) if self.exact else (group, tag + 1)
             return [(dist.isend(notice, dst=peer, group=group, tag=tag), notice, None, -1, dst),
-                    (dist.isend(buf, dst=peer, group=group, tag=tag + 1), buf, None, -1, dst)]
+                    (dist.isend(buf, dst=peer, group=late, tag=late_tag), buf, None, -1, dst)]
         ring = self._send_rings.get(key[:2])
         if ring is None:
             ring = self._send_rings[key[:2]] = BufferRing(
@@ -686,6 +753,10 @@ class DistTransport:
     # --- receive: take a slot, irecv; later wait and unpack (views) --------------
 
     def recv(self, src: int, key: Key) -> _DistRecv:
+        if self.exact:  # posted in the sender's order (begin), completed in it too
+            pending = _DistRecv(self, src, key, exact=True)
+            self._pump()
+            return pending
         if self.lanes is None:
             # Inline: receives wait in a queue, in schedule order, and are posted
             # on this thread as soon as their stream's ring has a free slot.
@@ -705,8 +776,16 @@ class DistTransport:
         """Posts queued receives, oldest first, while their rings have free slots.
 
         Stops at the first receive whose ring is full, so receives are posted
-        in schedule order (the order the peer sends in).
+        in schedule order. Exact messages: per peer, in the order it sends.
         """
+        if self.exact:
+            for src, order in self._order.items():
+                while order:
+                    ring = self._rings[order[0][:2]]
+                    if ring.held >= ring.size:
+                        break
+                    self._post_next(src)
+            return
         while self._window:
             pending = self._window[0]
             ring = self._rings[pending.key[:2]]
@@ -714,6 +793,30 @@ class DistTransport:
                 return
             self._window.popleft()
             pending._posted = self._post(pending.src, pending.key)
+
+    def _post_next(self, src: int) -> None:
+        """Exact: posts the next receive from ``src`` in its send order."""
+        key = self._order[src].popleft()
+        self._inflight[src].append((key, self._post(src, key)))
+
+    def _take_exact(self, src: int, key: Key):
+        """Exact: completes ``src``'s receives in its send order up to ``key``
+        (posting them if needed: the ring grows rather than wait), keeping the
+        others for their consumers; returns ``key``'s (tensors, spec, slot)."""
+        while key not in self._ready:
+            if not self._inflight[src]:
+                if not self._order[src]:
+                    raise AssertionError(f"rank {src} sends no {_describe(key)} in this step")
+                self._post_next(src)
+            k, posted = self._inflight[src].popleft()
+            self._ready[k] = self._complete(posted, src, k)
+        return self._ready.pop(key)
+
+    def _irecv_late(self, buf: torch.Tensor, src: int, key: Key) -> dist.Work:
+        """The receive of the full message that follows an oversize notice."""
+        if self.exact:
+            return dist.irecv(buf, src=self.peer(src), group=self.late, tag=0)
+        return dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
 
     def _post(self, src: int, key: Key) -> _Posted:
         ring = self._rings[key[:2]]
@@ -742,7 +845,7 @@ class DistTransport:
                 posted.ring.put(posted.slot)
                 held = None
                 buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
-                work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
+                work = self._irecv_late(buf, src, key)
                 self._wait(work, what, src)
                 host = host_bytes(buf)
             start, _, layout, spec, grads = read_head(buf, host)
@@ -841,8 +944,24 @@ class DistTransport:
 
 
     def _drain(self) -> list:
-        """Posts a receive for every message of the step not yet posted."""
+        """Posts a receive for every message of the step not yet posted.
+
+        Exact: per peer, the receives it already has in flight and then the
+        rest, in its send order (matching is by order)."""
         out = []
+        if self.exact:
+            for src, order in self._order.items():
+                out += [(key, src, posted.work, posted.buf) for key, posted in self._inflight[src]]
+                self._inflight[src].clear()
+                for key in list(order):
+                    buf = torch.empty(self._posted_size(key[:2]), dtype=torch.uint8, device=self.buffers)
+                    try:
+                        work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=0)
+                    except RuntimeError:
+                        break
+                    out.append((key, src, work, buf))
+                order.clear()
+            return out
         for key, src in self._expected:
             if key in self._posted:
                 continue
@@ -867,7 +986,7 @@ class DistTransport:
             total, flags = host_bytes(buf, _PREFIX)[:_PREFIX].view(torch.int64).tolist()
             if flags & _OVERSIZE:
                 full = torch.empty(total, dtype=torch.uint8, device=self.buffers)
-                rest = dist.irecv(full, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
+                rest = self._irecv_late(full, src, key)
                 _wait_until(rest, deadline)
         except RuntimeError:
             pass  # the peer is gone: nothing left to take in
