@@ -4,6 +4,12 @@ Compute is a layer that sleeps (a fixed time that needs no CPU, so the test
 holds on a loaded 2-core machine) and every transfer is delayed by as long
 as one microbatch's compute on a rank. With communication on the ring's
 send lanes the delay hides behind compute; inline it adds up.
+
+The schedule is GPipe: 1F1B on two ranks cannot hide such a delay by
+construction, because each of its steady-state cycles waits for a message
+both ways (the simulator, F = B = 1 and a latency of 2 per message, gives
+66 units for 16 microbatches, more than the 64 of compute plus transfers in
+sequence), while GPipe's forwards run ahead (38 against 34 without delay).
 """
 
 from __future__ import annotations
