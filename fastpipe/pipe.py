@@ -76,13 +76,16 @@ class Pipe(nn.Module):
         timeout: seconds a rank waits for a peer (or for a free buffer slot)
             before raising TimeoutError.
         overlap: run communication on lanes of fastpipe's native ring (send,
-            send completion, receive posting, receive completion), so compute
-            never waits for a send. ``False`` runs transfers on the compute
-            thread: sends when the schedule says, receives posted ahead from
-            a window as buffer slots free up. ``None`` (default): lanes when
-            the pipeline's devices are not CPUs; on CPUs the thread hand-offs
-            cost more than they hide (``python -m bench pipelining`` measures
-            both).
+            send completion, receive posting, receive completion; in local
+            mode on GPUs, each rank's copy stream), so compute never waits for
+            a send. ``False`` runs transfers on the compute thread (on GPUs,
+            the compute stream): sends when the schedule says, receives
+            posted ahead from a window as buffer slots free up. ``None``
+            (default): lanes when the pipeline's devices are not CPUs; on CPUs
+            the thread hand-offs cost more than they hide (``python -m bench
+            pipelining`` measures both). On NCCL transfers are always issued
+            inline from the rank's compute stream (NCCL's own streams overlap
+            them), and ``True`` is refused.
         checkpoint: ``"never"`` (default), ``"except_last"`` or ``"always"``:
             which microbatches forget their stage activations in forward and
             recompute them in backward (torchgpipe's modes; the last
@@ -237,6 +240,7 @@ class Pipe(nn.Module):
             "balance": "auto" if self.balance is None else tuple(self.balance),
             "checkpoint": self.checkpoint, "recompute": recompute,
             "wire_dtype": str(self._wire["F"]), "grad_wire_dtype": str(self._wire["B"]),
+            "exact messages": self._exact_messages,  # tags or order: both ends must agree
         }
         everyone: list = [None] * self.schedule.ranks
         dist.all_gather_object(everyone, mine, group=self.group)

@@ -72,7 +72,8 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
     try:
         kwargs = dict(chunks=4, schedule="1f1b", balance=[2, 3], timeout=case["timeout"])
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
-        os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if case.get("exact") else "0"
+        exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
+        os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"
         pipe = Pipe(_model(case, rank), **kwargs)
         x = torch.randn(8, 5, dtype=torch.float64)
         y = torch.randn(8, 3, dtype=torch.float64)

@@ -90,6 +90,15 @@ def test_killed_rank_is_named_by_its_peer(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ranks_that_disagree_on_exact_messages_fail_at_construction(tmp_path):
+    """Tags on one rank and order on the other would mismatch messages."""
+    (r0, r1), _ = _run({"fault": "none", "exact_by_rank": {0: True, 1: False}}, tmp_path)
+    for res in (r0, r1):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert "disagree on exact messages" in res["message"], res["message"]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting,values", [("chunks", (4, 2)), ("schedule", ("1f1b", "gpipe")),
                                             ("balance", ([2, 3], [3, 2]))])
 def test_ranks_that_disagree_fail_at_construction(tmp_path, setting, values):
