@@ -23,7 +23,7 @@ from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
 from fastpipe.runtime.transport import (
     CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, flow_groups,
-    late_group,
+    late_groups,
 )
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
@@ -192,17 +192,18 @@ class Pipe(nn.Module):
         self._ring = None
         # Local mode on GPUs: transfers are copies on each rank's copy lane into
         # receive slots (CopyTransport); on CPUs tensors are handed over as they
-        # are. (_copies=True forces the copy path on CPUs, with host lanes: tests.)
-        self._copies = not self.distributed and any(d.type == "cuda" for d in self.devices)
+        # are, and a pipeline mixing CPUs and GPUs uses blocking .to() copies.
+        # (_copies=True forces the copy path on CPUs, with host lanes: tests.)
+        self._copies = not self.distributed and all(d.type == "cuda" for d in self.devices)
         self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
         self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         if self.distributed:
             self._check_ranks_agree(balance, recompute)
-        # gloo: messages up and down the ranks on separate groups (see flow_groups).
-        gloo = self.distributed and dist.get_backend(group) == "gloo"
-        self._p2p_groups = flow_groups(group) if gloo else {}
-        self._late_group = late_group(group) if self._exact_messages else None
+        # Messages up and down the ranks on separate groups (see flow_groups).
+        split = self.distributed and dist.get_backend(group) in ("gloo", "nccl")
+        self._p2p_groups = flow_groups(group) if split else {}
+        self._late_groups = late_groups(group) if self._exact_messages else {}
         self._dist_transport: DistTransport | None = None
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
@@ -312,7 +313,7 @@ class Pipe(nn.Module):
                 self._dist_transport = DistTransport(
                     self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
                     self._wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
-                    groups=self._p2p_groups, exact=self._exact_messages, late=self._late_group,
+                    groups=self._p2p_groups, exact=self._exact_messages, late=self._late_groups,
                     rank=rank,
                     # NCCL sends GPU memory; gloo's P2P takes host tensors.
                     buffers=self.devices[rank] if self._nccl else torch.device("cpu"),
@@ -334,6 +335,15 @@ class Pipe(nn.Module):
                               self.timeout, overlap=self.overlap)
             self._device_lanes[rank] = lanes
         return lanes
+
+    def _drop_rings(self, lanes) -> None:
+        """After a failed local step: slots of messages nobody took are still
+        held, so the receive rings start afresh (once every lane is idle)."""
+        if self._recv_rings is None:
+            return
+        for rank_lanes in lanes:
+            rank_lanes.synchronize(rank_lanes.record())
+        self._recv_rings = None
 
     def _rings(self) -> ReceiveRings:
         if self._recv_rings is None:
@@ -495,14 +505,17 @@ class Pipe(nn.Module):
             mailbox.fail(-1, exc)  # unblock the workers, then let them finish
             for ev in events:
                 _outcome(ev)
+            self._drop_rings(lanes)
             raise
         for rank_lanes in lanes:
             rank_lanes.exit_to_caller()
+        failed = [v for v in outcomes if isinstance(v, BaseException)]
+        if mailbox.first_failure is not None or failed:
+            self._drop_rings(lanes)
         if mailbox.first_failure is not None:
             raise mailbox.first_failure[1]
-        for value in outcomes:
-            if isinstance(value, BaseException):
-                raise value
+        for value in failed:
+            raise value
         return outcomes[last_rank]
 
     def _mean_loss(self, results: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -612,7 +625,10 @@ def _resolve_devices(devices, ranks, distributed, group) -> list[torch.device]:
         if d.index is not None and d.index >= count:
             raise ValueError(f"device {d} in devices={[str(x) for x in out]!r} does not exist: "
                              f"{count} CUDA devices")
-    return out
+    # "cuda" means the current device, as in torch; fixed here so that device
+    # comparisons and streams later on see one index.
+    return [torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None
+            else d for d in out]
 
 
 def _resolve_schedule(schedule, ranks: int, chunks: int, stages_per_rank) -> Schedule:

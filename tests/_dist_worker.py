@@ -79,7 +79,7 @@ def _count_p2p() -> dict:
 
         def counted(*args, _real=real, _name=name, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
-            by_group = {id(g): d for cache in (_FLOW_GROUPS, _LATE_GROUPS)
+            by_group = {id(g): prefix + d for prefix, cache in (("", _FLOW_GROUPS), ("late ", _LATE_GROUPS))
                         for made in cache.values() for d, g in made.items()}
             where = f"{_name} {by_group.get(id(kwargs.get('group')), 'other')}"
             counts[where] = counts.get(where, 0) + 1

@@ -267,3 +267,37 @@ def test_cuda_lanes_say_why_they_cannot_start():
     with pytest.raises(RuntimeError, match="cuda:0"):
         lanes_mod.CudaLanes(torch.device("cuda:0"))
     assert isinstance(native().cuda_status(), str)
+
+
+def test_a_failed_step_leaves_no_slot_held(monkeypatch):
+    """Messages nobody took after a failure held slots: the next step starts
+    with fresh rings, sized as before, and trains correctly."""
+    torch.manual_seed(9)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    model = mlp(depth=6)
+    pipe = _pipe(model, "gpipe", 2, 4, timeout=10)
+    calls = {"n": 0}
+    real = nn.Linear.forward
+
+    def flaky(self, inp):
+        calls["n"] += 1
+        if calls["n"] == 14:  # in rank 1's forwards, after rank 0 has sent ahead
+            raise ValueError("flaky layer")
+        return real(self, inp)
+
+    try:
+        monkeypatch.setattr(nn.Linear, "forward", flaky)
+        with pytest.raises(ValueError, match="flaky layer"):
+            pipe.step(x, y, F.mse_loss)
+        monkeypatch.setattr(nn.Linear, "forward", real)
+        assert pipe._recv_rings is None
+        for p in model.parameters():
+            p.grad = None
+        loss = pipe.step(x, y, F.mse_loss)
+        ref_loss, ref_grads = reference(mlp(depth=6), x, y, F.mse_loss, 4)
+        torch.testing.assert_close(loss, ref_loss)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], msg=name)
+        assert all(r.held == 0 for r in pipe._recv_rings.rings.values())
+    finally:
+        pipe.close()

@@ -172,15 +172,19 @@ class CudaLanes:
     def enter_from_caller(self) -> None:
         """Step start, on the caller's thread: the compute lane waits for the
         caller's current stream, which may still be producing the inputs."""
-        event = self._event()
-        event.record_handle(torch.cuda.current_stream(self.device).cuda_stream)
+        # Handle 0 (the default stream) means the *current* device's: be on ours.
+        with torch.cuda.device(self.index):
+            event = self._event()
+            event.record_handle(torch.cuda.current_stream(self.device).cuda_stream)
         event.wait(self.compute_stream)
 
     def exit_to_caller(self) -> None:
         """Step end, on the caller's thread: its current stream waits for the
         compute lane, so the loss and ``.grad`` read there are complete (as
         after a plain ``backward()``; the host does not block)."""
-        self.record().wait_handle(torch.cuda.current_stream(self.device).cuda_stream)
+        event = self.record()
+        with torch.cuda.device(self.index):  # as above: handle 0 is per device
+            event.wait_handle(torch.cuda.current_stream(self.device).cuda_stream)
 
 
 def lanes_for(device: torch.device, ring, copy_lane: int, timeout: float, overlap: bool = True):

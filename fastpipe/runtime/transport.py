@@ -337,8 +337,14 @@ def _mark(copy: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
 #   messages in the order that peer sends them (``sender_orders``; in some V
 #   schedules it differs from the receiver's own RECV order), keeping those
 #   its consumers do not need yet;
-# - the full message after an oversize notice goes on a group of its own
-#   (``late_group``), in the same order, exactly the announced total.
+# - the full message after an oversize notice goes on groups of their own
+#   (``late_groups``), in the same order, exactly the announced total;
+# - as on gloo, messages up and down the ranks travel on two groups
+#   (``flow_groups``): ProcessGroupNCCL runs a pair's sends and receives on
+#   one stream, in the order they are issued, so a receive posted ahead would
+#   hold up every send issued after it to the same peer (and the peer waits
+#   for that send to produce what the receive expects). With one group per
+#   way, a pair's stream carries one way only.
 # The buffers then live on the GPU (``buffers``) and the receiver copies the
 # first bytes (prefix and head) to the host to read them. Lanes mode is not
 # used (NCCL's own streams overlap the transfers).
@@ -358,8 +364,9 @@ _FLOW_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 
 
 def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
-    """Two gloo process groups over ``group``'s ranks: "up" carries messages to
-    a higher rank, "down" to a lower one.
+    """Two process groups over ``group``'s ranks, on its backend: "up" carries
+    messages to a higher rank, "down" to a lower one (gloo: see above; NCCL:
+    see the comment on exact messages).
 
     Collective over the ranks of ``group`` (only they take part), so every
     rank must call it in the same order, as it builds its Pipe. The groups
@@ -367,24 +374,26 @@ def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]
     of two Pipes never run at once in one process); they live until
     ``destroy_process_group()``, after which the next call forgets them.
     """
-    return _groups_over(_FLOW_GROUPS, group, ("up", "down"), "gloo")
+    parent = group if group is not None else dist.group.WORLD
+    return _groups_over(_FLOW_GROUPS, group, ("up", "down"), dist.get_backend(parent))
 
 
-_LATE_GROUPS: dict = {}  # parent group -> {"late": group}
+_LATE_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 
 
-def late_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A process group over ``group``'s ranks (same backend) for the full
-    message that follows an oversize notice when messages are exact.
+def late_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
+    """Two more groups over ``group``'s ranks (same backend, "up" and "down"
+    as in ``flow_groups``) for the full message that follows an oversize
+    notice when messages are exact.
 
     NCCL matches a pair's messages by order, not by tag, and the receiver has
     usually posted the next receives already: a follow-up sent on the same
-    group would land in one of them. On a group of its own the follow-ups
+    group would land in one of them. On groups of their own the follow-ups
     keep their own order, which both ends walk in the sender's order.
     Collective and cached like ``flow_groups``.
     """
     parent = group if group is not None else dist.group.WORLD
-    return _groups_over(_LATE_GROUPS, group, ("late",), dist.get_backend(parent))["late"]
+    return _groups_over(_LATE_GROUPS, group, ("up", "down"), dist.get_backend(parent))
 
 
 def _groups_over(cache: dict, group, names: tuple[str, ...], backend: str) -> dict:
@@ -599,6 +608,8 @@ class DistTransport:
     receive; an irecv into a slot is posted after the compute-stream work of
     the slot's last reader, so the slot needs no event of its own; a send
     slot is reused only after ``is_completed()`` or ``wait()`` of its send.
+    A wait first polls ``is_completed()`` on the host until ``timeout``, so a
+    stuck peer raises TimeoutError instead of blocking a host copy forever.
     """
 
     group: dist.ProcessGroup | None
@@ -625,7 +636,7 @@ class DistTransport:
     # in buffers on this device.
     exact: bool = False
     buffers: torch.device = torch.device("cpu")
-    late: dist.ProcessGroup | None = None  # exact: where follow-ups of notices go (late_group)
+    late: dict = field(default_factory=dict)  # exact: where notices' follow-ups go (late_groups)
     rank: int = -1  # this rank in the pipeline (exact: to know who sends what, in which order)
     all_actions: Sequence = ()  # exact: every rank's lowered list of the step (set by the Pipe)
     # exact, per step: keys each peer sends us, in its order, not yet posted;
@@ -643,13 +654,15 @@ class DistTransport:
     def _owner(self, stage: int) -> int:
         return self.stage_to_rank[stage]
 
-    def _group(self, key: Key) -> dist.ProcessGroup | None:
-        """The group a message travels on: by the way it goes between ranks."""
-        if not self.groups:
+    def _group(self, key: Key, groups: dict | None = None) -> dist.ProcessGroup | None:
+        """The group a message travels on: by the way it goes between ranks
+        (``groups``: the follow-ups' late groups instead of the flow groups)."""
+        groups = self.groups if groups is None else groups
+        if not groups:
             return self.group
         direction, stage, _ = key
         src = self._owner(stage - 1 if direction == "F" else stage + 1)
-        return self.groups["up" if src < self._owner(stage) else "down"]
+        return groups["up" if src < self._owner(stage) else "down"]
 
     def tag(self, key: Key) -> int:
         if self.exact:
@@ -724,7 +737,7 @@ class DistTransport:
             buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
             write_head(buf, head)
             pack_into(buf[start:], tensors, layout)
-            late, late_tag = (self.late, 0) if self.exact else (group, tag + 1)
+            late, late_tag = (self._group(key, self.late), 0) if self.exact else (group, tag + 1)
             return [(dist.isend(notice, dst=peer, group=group, tag=tag), notice, None, -1, dst),
                     (dist.isend(buf, dst=peer, group=late, tag=late_tag), buf, None, -1, dst)]
         ring = self._send_rings.get(key[:2])
@@ -815,7 +828,7 @@ class DistTransport:
     def _irecv_late(self, buf: torch.Tensor, src: int, key: Key) -> dist.Work:
         """The receive of the full message that follows an oversize notice."""
         if self.exact:
-            return dist.irecv(buf, src=self.peer(src), group=self.late, tag=0)
+            return dist.irecv(buf, src=self.peer(src), group=self._group(key, self.late), tag=0)
         return dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
 
     def _post(self, src: int, key: Key) -> _Posted:
@@ -851,7 +864,7 @@ class DistTransport:
             start, _, layout, spec, grads = read_head(buf, host)
             self._note(key, start + layout.nbytes)
             tensors = received(buf, start, layout, grads)
-            staged = buf.device != self.device  # gloo with a GPU: the buffers are on the host
+            staged = buf.device.type != self.device.type  # gloo with a GPU: host buffers
             copied = staged or all(s.wire is not None for s in layout.slots)
             if staged:
                 tensors = [x.detach().to(self.device).requires_grad_(x.requires_grad) for x in tensors]
@@ -865,6 +878,16 @@ class DistTransport:
         return tensors, spec, held
 
     def _wait(self, work: dist.Work, what: str, peer: int | None = None) -> None:
+        if self.buffers.type == "cuda":
+            # NCCL reports completion by itself; wait for it on the host with
+            # our deadline, so a stuck peer ends in a TimeoutError here rather
+            # than in a host copy that never returns.
+            deadline, nap = time.monotonic() + self.timeout, 2e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(_timeout_message(what, self.timeout, peer))
+                time.sleep(nap)
+                nap = min(nap * 2, 1e-3)
         try:
             done = work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as err:  # gloo reports its timeout as a RuntimeError
