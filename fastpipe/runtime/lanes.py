@@ -73,9 +73,7 @@ class HostLanes:
 
     def copy(self, dst: torch.Tensor, regions: Regions, after=()):
         base, copy = dst.data_ptr(), self._copy
-        srcs = [t.data_ptr() for t, _ in regions]
-        offsets = [off for _, off in regions]
-        sizes = [t.numel() * t.element_size() for t, _ in regions]
+        srcs, offsets, sizes = _spans(regions)
         deps = [e for e in after if e is not None]
         return self.ring.submit(self.copy_lane, lambda: copy(base, srcs, offsets, sizes), deps)
 
@@ -148,9 +146,7 @@ class CudaLanes:
         for event in after:
             if event is not None:
                 event.wait(self.copy_stream)
-        srcs = [t.data_ptr() for t, _ in regions]
-        offsets = [off for _, off in regions]
-        sizes = [t.numel() * t.element_size() for t, _ in regions]
+        srcs, offsets, sizes = _spans(regions)
         dst_index = dst.device.index if dst.device.type == "cuda" else -1
         if dst_index < 0:
             raise ValueError(f"CudaLanes.copy needs a CUDA destination, got {dst.device}")
@@ -185,6 +181,12 @@ class CudaLanes:
         event = self.record()
         with torch.cuda.device(self.index):  # as above: handle 0 is per device
             event.wait_handle(torch.cuda.current_stream(self.device).cuda_stream)
+
+
+def _spans(regions: Regions) -> tuple[list[int], list[int], list[int]]:
+    """(source addresses, offsets in the destination, byte sizes) of ``regions``."""
+    return ([t.data_ptr() for t, _ in regions], [off for _, off in regions],
+            [t.numel() * t.element_size() for t, _ in regions])
 
 
 def lanes_for(device: torch.device, ring, copy_lane: int, timeout: float, overlap: bool = True):

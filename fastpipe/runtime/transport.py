@@ -641,6 +641,7 @@ class DistTransport:
     all_actions: Sequence = ()  # exact: every rank's lowered list of the step (set by the Pipe)
     # exact, per step: keys each peer sends us, in its order, not yet posted;
     # posted receives not yet completed, in that order; completed, not taken.
+    _orders: dict = field(default_factory=dict)  # id(all_actions) -> sender_orders(...)
     _order: dict = field(default_factory=dict)
     _inflight: dict = field(default_factory=dict)
     _ready: dict = field(default_factory=dict)
@@ -696,7 +697,11 @@ class DistTransport:
         self._window = deque()
         self._expected = []
         if self.exact:
-            self._order = sender_orders(self.all_actions, self.rank, self.stage_to_rank)
+            orders = self._orders.get(id(self.all_actions))
+            if orders is None:  # the lists live as long as the Pipe, like the rings above
+                orders = sender_orders(self.all_actions, self.rank, self.stage_to_rank)
+                self._orders[id(self.all_actions)] = orders
+            self._order = {src: deque(keys) for src, keys in orders.items()}
             self._inflight = {src: deque() for src in self._order}
             self._ready = {}
         for a in actions:
@@ -737,7 +742,7 @@ class DistTransport:
             buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
             write_head(buf, head)
             pack_into(buf[start:], tensors, layout)
-            late, late_tag = (self._group(key, self.late), 0) if self.exact else (group, tag + 1)
+            late, late_tag = self._late(key)
             return [(dist.isend(notice, dst=peer, group=group, tag=tag), notice, None, -1, dst),
                     (dist.isend(buf, dst=peer, group=late, tag=late_tag), buf, None, -1, dst)]
         ring = self._send_rings.get(key[:2])
@@ -825,11 +830,16 @@ class DistTransport:
             self._ready[k] = self._complete(posted, src, k)
         return self._ready.pop(key)
 
+    def _late(self, key: Key) -> tuple[dist.ProcessGroup | None, int]:
+        """(group, tag) of the full message that follows an oversize notice."""
+        if self.exact:
+            return self._group(key, self.late), 0
+        return self._group(key), self.tag(key) + 1
+
     def _irecv_late(self, buf: torch.Tensor, src: int, key: Key) -> dist.Work:
         """The receive of the full message that follows an oversize notice."""
-        if self.exact:
-            return dist.irecv(buf, src=self.peer(src), group=self._group(key, self.late), tag=0)
-        return dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key) + 1)
+        group, tag = self._late(key)
+        return dist.irecv(buf, src=self.peer(src), group=group, tag=tag)
 
     def _post(self, src: int, key: Key) -> _Posted:
         ring = self._rings[key[:2]]
@@ -971,23 +981,16 @@ class DistTransport:
 
         Exact: per peer, the receives it already has in flight and then the
         rest, in its send order (matching is by order)."""
-        out = []
+        out, todo = [], []
         if self.exact:
             for src, order in self._order.items():
                 out += [(key, src, posted.work, posted.buf) for key, posted in self._inflight[src]]
                 self._inflight[src].clear()
-                for key in list(order):
-                    buf = torch.empty(self._posted_size(key[:2]), dtype=torch.uint8, device=self.buffers)
-                    try:
-                        work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=0)
-                    except RuntimeError:
-                        break
-                    out.append((key, src, work, buf))
+                todo += [(key, src) for key in order]
                 order.clear()
-            return out
-        for key, src in self._expected:
-            if key in self._posted:
-                continue
+        else:
+            todo = [(key, src) for key, src in self._expected if key not in self._posted]
+        for key, src in todo:
             buf = torch.empty(self._posted_size(key[:2]), dtype=torch.uint8, device=self.buffers)
             try:
                 work = dist.irecv(buf, src=self.peer(src), group=self._group(key), tag=self.tag(key))
