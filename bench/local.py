@@ -44,9 +44,9 @@ def _torchgpipe_step(width, blocks, chunks):
 def _two_threads_step(width, blocks, batch, chunks):
     """The two halves of the model, fwd+bwd over every microbatch, on two
     threads with nothing between them: no pipeline dependencies, no
-    transfers. Only the GIL limits it, so its time is the best any in-process
-    pipeline of Python stages can reach on two lanes (a pipeline adds its
-    bubble and its hand-offs on top)."""
+    transfers. Only the GIL (and the two cores' contention) limits it, so its
+    time is the best any in-process pipeline of Python stages can reach on
+    two lanes (a pipeline adds its bubble and its hand-offs on top)."""
     import threading
 
     model = make_model(width, blocks)
@@ -56,7 +56,12 @@ def _two_threads_step(width, blocks, batch, chunks):
 
     def work(part, xs):
         for x in xs:
-            part(x).square().mean().backward()
+            # The graph freed after the backward, not inside it, as fastpipe's
+            # local mode does (fastpipe.runtime._backward): freeing inside
+            # takes the GIL once per saved tensor.
+            loss = part(x).square().mean()
+            loss.backward(retain_graph=True)
+            del loss
 
     def step():
         threads = [threading.Thread(target=work, args=(p, xs)) for p, xs in zip(parts, inputs)]

@@ -475,6 +475,8 @@ class Pipe(nn.Module):
         mailbox = Mailbox()
         # Ranks are threads sharing the CPU generator: with checkpointing,
         # stochastic stages take turns drawing so recomputation replays exactly.
+        # They share the GIL too: backward leaves freeing the graph to the
+        # executor (keep_graphs), so that it runs without the GIL.
         rng_lock = threading.Lock() if self.checkpoint != "never" else None
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
@@ -486,7 +488,7 @@ class Pipe(nn.Module):
 
         def run_rank(rank: int):
             executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
-                                    self.checkpoint, rng_lock)
+                                    self.checkpoint, rng_lock, keep_graphs=True)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:

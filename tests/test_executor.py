@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -47,6 +49,76 @@ def test_first_stage_without_input_grad_runs_all_in_w():
     backward_weight(work)
     for a, b in zip(_grads(ref), _grads(model)):
         torch.testing.assert_close(a, b)
+
+
+class _Watched(nn.Module):
+    """A layer that keeps a weak reference to each tensor it saves for backward."""
+
+    def __init__(self, refs):
+        super().__init__()
+        self.lin, self.refs = nn.Linear(5, 5).double(), refs
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.refs.append(weakref.ref(h))
+        return h * h  # mul saves h itself (its own Python object)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_kept_graph_frees_saved_tensors_with_its_roots(split):
+    """keep_graph=True (local mode): the engine frees nothing, so the saved
+    tensors stay until the roots go, and then go at once (no leak)."""
+    refs = []
+    model = nn.Sequential(_Watched(refs), _Watched(refs))
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(model(x).sum(), [x] + list(model.parameters()))
+    refs.clear()
+    out = model(x)
+    roots, grads = [torch.autograd.graph.get_gradient_edge(out)], [torch.ones_like(out)]
+    del out
+    if split:
+        got, work = backward_input(roots, grads, [x], list(model.parameters()), keep_graph=True)
+        assert all(r() is not None for r in refs)
+        backward_weight(work, keep_graph=True)
+        assert all(r() is not None for r in refs)  # the edges of W went, the roots not yet
+    else:
+        backward_full(roots, grads, keep_graph=True)
+        got = [x.grad]
+        assert all(r() is not None for r in refs)
+    del roots
+    if split:
+        del work
+    assert [r() for r in refs] == [None, None]
+    torch.testing.assert_close(got[0], ref[0])
+    for p, g in zip(model.parameters(), ref[1:]):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_backward_frees_as_it_goes_by_default():
+    refs = []
+    model = _Watched(refs)
+    out = model(torch.randn(3, 5, dtype=torch.float64))
+    roots = [torch.autograd.graph.get_gradient_edge(out)]
+    grads = [torch.ones_like(out)]
+    del out
+    backward_full(roots, grads)
+    assert refs[0]() is None
+
+
+def test_local_step_leaves_no_graph_alive():
+    """Local mode keeps graphs through backward; after the step none is left."""
+    from fastpipe import Pipe
+
+    refs = []
+    model = nn.Sequential(_Watched(refs), _Watched(refs), _Watched(refs), _Watched(refs))
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
+    for schedule in ("1f1b", "zb-h1"):
+        pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"])
+        pipe.step(x, y, nn.functional.mse_loss)
+        pipe.close()
+        assert len(refs) == 16
+        assert all(r() is None for r in refs), schedule
+        refs.clear()
 
 
 @pytest.mark.parametrize("input_grad", [True, False])

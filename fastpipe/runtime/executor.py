@@ -87,6 +87,10 @@ class RankExecutor:
         rng_lock: local mode: a lock shared by the ranks' threads that
             stochastic stages hold while they draw random numbers, so a
             checkpointed forward replays exactly.
+        keep_graphs: backward leaves the saved tensors to go with the graph
+            when the executor drops it, instead of freeing them as it runs:
+            what ranks on threads of one interpreter want, since a backward
+            then needs no GIL (see ``fastpipe.runtime._backward``).
     """
 
     def __init__(
@@ -97,8 +101,10 @@ class RankExecutor:
         transport,
         checkpoint: str = "never",
         rng_lock: threading.Lock | None = None,
+        keep_graphs: bool = False,
     ) -> None:
         self.rank = rank
+        self.keep_graphs = keep_graphs
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
         self.schedule = schedule
         self.stages = stages
@@ -379,18 +385,18 @@ class RankExecutor:
     def _backward(self, a: Action) -> None:
         saved = self._grads_for(a.stage, a.microbatch)
         del self._saved[(a.stage, a.microbatch)]
-        backward_full(saved.roots, saved.grads)
+        backward_full(saved.roots, saved.grads, self.keep_graphs)
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
 
     def _backward_input(self, a: Action) -> None:
         saved = self._grads_for(a.stage, a.microbatch)
         del self._saved[(a.stage, a.microbatch)]
         grads, work = backward_input(
-            saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params
+            saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params, self.keep_graphs
         )
         self._weights[(a.stage, a.microbatch)] = work
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
 
     def _backward_weight(self, a: Action) -> None:
-        backward_weight(self._weights.pop((a.stage, a.microbatch)))
+        backward_weight(self._weights.pop((a.stage, a.microbatch)), self.keep_graphs)
 
