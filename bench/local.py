@@ -6,8 +6,11 @@ ratio column is torchgpipe's step time over fastpipe's (its throughput
 ratio). torchgpipe (``pip install torchgpipe``) runs GPipe only; fastpipe
 runs every schedule. The sequential baseline, torchgpipe and every schedule
 are timed in turns (three steps each per round), so machine drift hits all
-of them alike. So is the GIL's ceiling: the model's two halves run on two
-threads with nothing between them, the most two Python lanes can overlap.
+of them alike. So is a reference without a pipeline: the model's two halves
+run on two threads with nothing between them, both forward and backward at
+once. It shows what one GIL lets two threads overlap; it is not a bound (a
+pipeline can do better by running one rank's forward, which needs the GIL,
+beside the other's backward, which does not: 1F1B does).
 
     python -m bench local [--workload compute|overhead|both] [--repeats N]
 """
@@ -44,9 +47,8 @@ def _torchgpipe_step(width, blocks, chunks):
 def _two_threads_step(width, blocks, batch, chunks):
     """The two halves of the model, fwd+bwd over every microbatch, on two
     threads with nothing between them: no pipeline dependencies, no
-    transfers. Only the GIL (and the two cores' contention) limits it, so its
-    time is the best any in-process pipeline of Python stages can reach on
-    two lanes (a pipeline adds its bubble and its hand-offs on top)."""
+    transfers: what the GIL and the two cores let two threads of Python
+    stages overlap when both run the same kind of work at once."""
     import threading
 
     model = make_model(width, blocks)
@@ -96,13 +98,13 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
     for pipe in pipes:
         pipe.close()
     seq, theirs = times.pop("sequential"), times.pop("torchgpipe", None)
-    ceiling = times.pop("two threads")
+    both = times.pop("two threads")
     rows = times
     ideal = seq / 2
     print(f"\n{workload}-bound, local mode: {blocks} MLP blocks d={width}, batch {batch}, {chunks} "
           f"microbatches, 2 cpu devices x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
-    print(f"  two threads, no pipeline (the GIL's ceiling) {ceiling * 1e3:.1f} ms, "
-          f"efficiency {ideal / ceiling:.2f}")
+    print(f"  two threads, no pipeline (the halves at once) {both * 1e3:.1f} ms, "
+          f"efficiency {ideal / both:.2f}")
     if theirs is not None:
         print(f"  torchgpipe (GPipe)  {theirs * 1e3:8.1f} ms  efficiency {ideal / theirs:.2f}")
     else:

@@ -112,12 +112,14 @@ def test_local_step_leaves_no_graph_alive():
     refs = []
     model = nn.Sequential(_Watched(refs), _Watched(refs), _Watched(refs), _Watched(refs))
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
-    for schedule in ("1f1b", "zb-h1"):
-        pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"])
+    for schedule, checkpoint, forwards in (("1f1b", "never", 16), ("zb-h1", "never", 16),
+                                           ("1f1b", "always", 32)):  # recomputed: twice
+        pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"],
+                    checkpoint=checkpoint)
         pipe.step(x, y, nn.functional.mse_loss)
         pipe.close()
-        assert len(refs) == 16
-        assert all(r() is None for r in refs), schedule
+        assert len(refs) == forwards
+        assert all(r() is None for r in refs), (schedule, checkpoint)
         refs.clear()
 
 
