@@ -136,13 +136,30 @@ def test_slot_plan_covers_every_receive(schedule):
                    for a in actions if a.kind.name.startswith("RECV")}
         assert set(plan) == streams
         assert all(2 <= n <= 6 + 1 for n in plan.values())
+        ahead = receive_slots(actions, lookahead=1)
+        assert set(ahead) == streams and all(2 <= n <= 6 + 1 for n in ahead.values())
 
 
 def test_slot_plan_is_the_peak_held_plus_lookahead():
     lowered = lower(build("1f1b", 2, 8))
     # rank 1 receives activations; each is held from its RECV_F to its B,
     # and 1F1B on the last rank runs F, B, F, B...: one held at a time.
-    assert receive_slots(lowered.actions[1]) == {("F", 1): 2}
+    assert receive_slots(lowered.actions[1], lookahead=1) == {("F", 1): 2}
     assert receive_slots(lowered.actions[1], lookahead=0) == {("F", 1): 1}
     # GPipe holds every microbatch's activations until the backward phase.
-    assert receive_slots(lower(build("gpipe", 2, 8)).actions[1]) == {("F", 1): 9}
+    assert receive_slots(lower(build("gpipe", 2, 8)).actions[1], lookahead=1) == {("F", 1): 9}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "interleaved-1f1b"])
+def test_default_slot_plan_posts_every_receive_at_once(schedule):
+    spr = 2 if schedule in ("interleaved-1f1b", "zbv") else None
+    kwargs = {} if spr is None else {"stages_per_rank": spr}
+    lowered = lower(build(schedule, 2, 8, **kwargs))
+    for actions in lowered.actions:
+        counts: dict = {}
+        for a in actions:
+            if a.kind.name.startswith("RECV"):
+                stream = ("F" if a.kind.name == "RECV_F" else "B", a.stage)
+                counts[stream] = counts.get(stream, 0) + 1
+        assert receive_slots(actions) == counts
+        assert all(n == 8 for n in counts.values())  # one per microbatch
