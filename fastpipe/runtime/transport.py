@@ -597,7 +597,9 @@ class DistTransport:
     buffer rings carry over from step to step (see the comment above).
     ``finish`` ends a step. Receive buffers come from bounded rings sized by
     ``receive_slots`` for each action list the rank runs (training and
-    inference differ); send buffers from growable rings.
+    inference differ): a slot per receive of the step, so inline mode posts
+    them all when the step starts (why: ``receive_slots``); send buffers
+    from growable rings.
 
     On NCCL (``exact``, ``buffers`` on the GPU, inline) ProcessGroupNCCL runs
     P2P on its own streams, which wait on the *current* stream when the call
