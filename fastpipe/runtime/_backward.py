@@ -26,10 +26,11 @@ waits for a hand-over. On the narrow benchmark stage (4 MLP blocks, d=128,
 16 microbatches of 4 rows) one backward call took 7.6 ms alone and 1.1 s next
 to a thread spinning in Python; two threads, each running 20 passes of
 forward and backward over its microbatches, took 418 ms against 273 ms for
-one thread alone. With ``keep_graph=True`` the
-engine frees nothing: the graph goes when the caller drops its roots, on a
-thread that holds the GIL already; the same backward took 15 ms next to the
-spinning thread and the two threads 297 ms.
+one thread alone. With ``keep_graph=True`` the engine frees nothing: the
+graph goes when the caller drops its roots, on a thread that holds the GIL
+already; the same backward took 15 ms next to the spinning thread and the two
+threads 297 ms.
+
 The cost is memory: a microbatch's saved tensors stay until its backward
 returns instead of going as the engine passes them, so the peak can hold one
 stage's activations of one microbatch longer. Distributed ranks (one Python
