@@ -51,6 +51,50 @@ def test_first_stage_without_input_grad_runs_all_in_w():
         torch.testing.assert_close(a, b)
 
 
+class _TwoOut(torch.autograd.Function):
+    """A node with two inputs in backward, one of which gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w, x * 2
+
+    @staticmethod
+    def backward(ctx, a, b):
+        x, w = ctx.saved_tensors
+        gx = a @ w.t() if a is not None else None
+        if b is not None:
+            gx = gx + 2 * b if gx is not None else 2 * b
+        return gx, x.t() @ a if a is not None else None
+
+
+class _TwoOutLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 5, dtype=torch.float64))
+
+    def forward(self, x):
+        y, _unused = _TwoOut.apply(x, self.w)
+        return torch.tanh(y)
+
+
+def test_split_backward_through_a_node_whose_second_output_is_unused():
+    torch.manual_seed(4)
+    full, split = (nn.Sequential(nn.Linear(5, 5).double(), _TwoOutLayer(), nn.Linear(5, 5).double())
+                   for _ in range(2))
+    split.load_state_dict(full.state_dict())
+    x = torch.randn(3, 5, dtype=torch.float64)
+    g = torch.randn(3, 5, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    backward_full([full(xa)], [g])
+    grads, work = backward_input([split(xb)], [g], [xb], list(split.parameters()))
+    assert all(p.grad is None for p in split.parameters())
+    backward_weight(work)
+    torch.testing.assert_close(grads[0], xa.grad)
+    for a, b in zip(_grads(full), _grads(split)):
+        torch.testing.assert_close(a, b)
+
+
 class _Watched(nn.Module):
     """A layer that keeps a weak reference to each tensor it saves for backward."""
 

@@ -181,8 +181,6 @@ def backward_input(
         elif var in leaf_inputs:
             input_nodes.add(leaf)
     to_input, below = _classify(children, order, input_nodes, by_node)
-    captured: dict[Node, tuple] = {}
-    handles = []
     cut_params: dict[Node, list[GradientEdge]] = {}
     for node, reaches_input in to_input.items():
         if not reaches_input:
@@ -196,18 +194,23 @@ def backward_input(
         # use twice. Do the whole backward now; W has nothing left to do.
         backward_full(roots, grads, keep_graph)
         return [t.grad if t.requires_grad else None for t in inputs], work
-    for node in cut_params:
-        handles.append(node.register_prehook(_keeper(captured, node)))
-    try:
-        input_grads = _input_grads(roots, grads, inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    for node, node_grads in captured.items():
-        edges = [GradientEdge(node, i) for i, g in enumerate(node_grads) if g is not None]
-        if edges:
-            kept = [g for g in node_grads if g is not None]
-            work.groups.append(WeightGroup(edges, kept, cut_params[node]))
+    # The engine keeps each cut node's incoming gradients itself: they are
+    # asked for as extra outputs (one edge per input of the node), so no
+    # Python hook runs inside the engine (in local mode each would take the
+    # GIL from another rank's thread).
+    cut_edges = [GradientEdge(node, i) for node in cut_params
+                 for i in range(len(node._input_metadata))]
+    input_grads, cut_grads = _input_grads(roots, grads, inputs, cut_edges)
+    kept_by_node: dict[Node, WeightGroup] = {}
+    for edge, g in zip(cut_edges, cut_grads):
+        if g is None:  # the node did not run, or that output got no gradient
+            continue
+        group = kept_by_node.get(edge.node)
+        if group is None:
+            group = kept_by_node[edge.node] = WeightGroup(params=cut_params[edge.node])
+            work.groups.append(group)
+        group.edges.append(edge)
+        group.grads.append(g)
     # Roots whose graph never touches the inputs (the first stage, whose input
     # needs no gradient): W runs their whole backward.
     for root, grad in zip(roots, grads):
@@ -228,27 +231,24 @@ def _shared_between_cuts(cut_params: dict[Node, list[GradientEdge]]) -> bool:
     return False
 
 
-def _keeper(captured: dict, node: Node):
-    def hook(grad_outputs):
-        captured[node] = tuple(grad_outputs)
-
-    return hook
-
-
-def _input_grads(roots, grads, inputs) -> list[torch.Tensor | None]:
+def _input_grads(roots, grads, inputs, extra: Sequence[GradientEdge] = ()
+                 ) -> tuple[list[torch.Tensor | None], tuple]:
+    """Gradients for ``inputs`` (None where one needs none) and for the
+    ``extra`` edges, in one engine pass that keeps the graph for W."""
     wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
     out: list[torch.Tensor | None] = [None] * len(inputs)
-    if not wanted:
-        return out
+    if not wanted and not extra:
+        return out, ()
     full = tuple(torch.ones_like(r) if g is None else g for r, g in zip(roots, grads))
     got = _run_backward(  # what autograd.grad calls (see backward_full)
         tuple(roots), full,
         True,  # W still needs the saved tensors
-        False, tuple(inputs[i] for i in wanted), allow_unreachable=True, accumulate_grad=False,
+        False, tuple(inputs[i] for i in wanted) + tuple(extra), allow_unreachable=True,
+        accumulate_grad=False,
     )
     for i, g in zip(wanted, got):
         out[i] = g
-    return out
+    return out, tuple(got[len(wanted):])
 
 
 def backward_weight(work: WeightWork, keep_graph: bool = False) -> None:
