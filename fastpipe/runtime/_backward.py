@@ -88,11 +88,14 @@ def backward_full(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
     # The engine directly, as W calls it: ``autograd.backward``'s argument
     # handling is a dozen small ops, and each op hands the GIL over when
     # another rank's thread wants it (next to a forward on another thread,
-    # that wrapper made the forward 2.5x slower). A None gradient belongs to
-    # a loss (a scalar) and means 1, as in ``Tensor.backward()``.
-    full = tuple(torch.ones_like(r) if g is None else g for r, g in zip(roots, grads))
-    _run_backward(tuple(roots), full, keep_graph, False, (), allow_unreachable=True,
-                  accumulate_grad=True)
+    # that wrapper made the forward 2.5x slower).
+    _run_backward(tuple(roots), _filled(roots, grads), keep_graph, False, (),
+                  allow_unreachable=True, accumulate_grad=True)
+
+
+def _filled(roots: Sequence[Root], grads: Sequence[torch.Tensor | None]) -> tuple:
+    """The gradients to start from: None (a loss's) is 1, as in ``Tensor.backward()``."""
+    return tuple(torch.ones_like(r) if g is None else g for r, g in zip(roots, grads))
 
 
 _ACCUMULATE = torch._C._functions.AccumulateGrad
@@ -239,9 +242,8 @@ def _input_grads(roots, grads, inputs, extra: Sequence[GradientEdge] = ()
     out: list[torch.Tensor | None] = [None] * len(inputs)
     if not wanted and not extra:
         return out, ()
-    full = tuple(torch.ones_like(r) if g is None else g for r, g in zip(roots, grads))
     got = _run_backward(  # what autograd.grad calls (see backward_full)
-        tuple(roots), full,
+        tuple(roots), _filled(roots, grads),
         True,  # W still needs the saved tensors
         False, tuple(inputs[i] for i in wanted) + tuple(extra), allow_unreachable=True,
         accumulate_grad=False,

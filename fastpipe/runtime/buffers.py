@@ -73,9 +73,11 @@ def receive_slots(actions: Sequence[Action], lookahead: int | None = None) -> di
     release_at: dict[int, list[Stream]] = {}
     held: dict[Stream, int] = {}
     peak: dict[Stream, int] = {}
+    count: dict[Stream, int] = {}  # receives per stream
     for i, a in enumerate(actions):
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
             stream = receive_stream(a)
+            count[stream] = count.get(stream, 0) + 1
             held[stream] = held.get(stream, 0) + 1
             peak[stream] = max(peak.get(stream, 0), held[stream])
             end = last.get((a.stage, a.microbatch), i)
@@ -83,8 +85,7 @@ def receive_slots(actions: Sequence[Action], lookahead: int | None = None) -> di
         for stream in release_at.pop(i, ()):
             held[stream] -= 1
     if lookahead is None:
-        return {stream: sum(1 for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)
-                            and receive_stream(a) == stream) for stream in peak}
+        return count
     return {stream: n + lookahead for stream, n in peak.items()}
 
 
