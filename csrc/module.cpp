@@ -11,6 +11,7 @@
 #include "checks.h"
 #include "event.h"
 #include "host_ring.h"
+#include "mailbox.h"
 #include "slot_ring.h"
 
 namespace py = pybind11;
@@ -121,6 +122,20 @@ PYBIND11_MODULE(_C, m) {
         return fp_msg("<fastpipe._C.SlotRing size=", r.size(), " held=", r.held(),
                       r.growable() ? " growable>" : ">");
       });
+
+  py::class_<Mailbox>(m, "Mailbox",
+                      "One slot per message key between the threads of a local pipeline; "
+                      "a receiver waits with the GIL released, spinning for `spin` seconds "
+                      "before it sleeps.")
+      .def(py::init<double>(), py::arg("spin") = 0.0)
+      .def("put", &Mailbox::put, py::arg("key"), py::arg("payload"),
+           "Store `payload` under the integer `key`.")
+      .def("take", &Mailbox::take, py::arg("key"), py::arg("timeout"),
+           "(0, payload), or (1, None) once failed, or (2, None) after `timeout` seconds.")
+      .def("fail", &Mailbox::fail, "Wake every receiver; takes of missing keys answer 1.")
+      .def_property_readonly("failed", &Mailbox::failed)
+      .def_property_readonly("spin", &Mailbox::spin)
+      .def("__len__", &Mailbox::size);
 
   m.def("_copy_regions", &copy_regions, py::arg("dst"), py::arg("srcs"), py::arg("offsets"),
         py::arg("sizes"),

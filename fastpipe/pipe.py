@@ -472,7 +472,7 @@ class Pipe(nn.Module):
 
     def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
         self._ring_for()
-        mailbox = Mailbox()
+        mailbox = Mailbox(schedule.ranks)
         # Ranks are threads sharing the CPU generator: with checkpointing,
         # stochastic stages take turns drawing so recomputation replays exactly.
         # They share the GIL too: backward leaves freeing the graph to the
