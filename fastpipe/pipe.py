@@ -108,6 +108,17 @@ class Pipe(nn.Module):
         plan: a ``fastpipe.plan(...)`` result: its chunks, schedule, balance,
             stages_per_rank and checkpoint mode are used (an explicit,
             non-default value that disagrees with the plan is an error).
+        fused_wgrad: accumulate the weight gradient of each ``nn.Linear``
+            straight into ``.grad`` with one ``addmm_`` (and its bias's with
+            one sum), instead of autograd's fresh gradient matrix plus an
+            add: on CPUs with few rows per microbatch that extra memory
+            traffic is most of a Linear's backward. Gradients are the same
+            up to float rounding. Off by default because it skips hooks
+            registered on the parameters' AccumulateGrad nodes (``grad_fn``
+            level, e.g. DDP's); parameters with tensor hooks
+            (``register_hook``, ``register_post_accumulate_grad_hook``) and
+            Linears in other forms (weights used twice, ``alpha``/``beta``
+            != 1, mixed dtypes under autocast) keep autograd's path.
 
     ``balance="auto"`` balances measured layer times (``balance_by_time``) on
     the first microbatch of the first ``step``: the model is split then, on
@@ -135,9 +146,13 @@ class Pipe(nn.Module):
         wire_dtype: torch.dtype | None = None,
         grad_wire_dtype: torch.dtype | None = None,
         plan=None,
+        fused_wgrad: bool = False,
     ) -> None:
         super().__init__()
         _check_model(model)
+        if not isinstance(fused_wgrad, bool):
+            raise TypeError(f"fused_wgrad must be a bool, got {type(fused_wgrad).__name__} ({fused_wgrad!r})")
+        self.fused_wgrad = fused_wgrad
         if plan is not None:
             chunks, schedule, balance, stages_per_rank, checkpoint = _from_plan(
                 plan, chunks, schedule, balance, stages_per_rank, checkpoint
@@ -445,7 +460,7 @@ class Pipe(nn.Module):
             transport = self._transport(self.rank, None)
             transport.all_actions = schedule.actions  # exact messages follow the senders' order
             executor = RankExecutor(self.rank, schedule, self._stages[self.rank], transport,
-                                    self.checkpoint)
+                                    self.checkpoint, fused_wgrad=self.fused_wgrad)
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording
@@ -488,7 +503,8 @@ class Pipe(nn.Module):
 
         def run_rank(rank: int):
             executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
-                                    self.checkpoint, rng_lock, keep_graphs=True)
+                                    self.checkpoint, rng_lock, keep_graphs=True,
+                                    fused_wgrad=self.fused_wgrad)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:

@@ -44,7 +44,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
                         timeout=60, overlap=case.get("overlap", not case.get("exact")),
                         checkpoint=case.get("checkpoint", "never"),
-                        wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"))
+                        wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"),
+                        fused_wgrad=case.get("fused", False))
             losses, outs, rings, p2p = [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:

@@ -120,6 +120,19 @@ def test_two_ranks_every_schedule(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_two_ranks_fused_weight_grads(tmp_path):
+    """fused_wgrad: every schedule, inline and on lanes, Linears with and
+    without bias, an embedding first, a tuple between stages."""
+    cases = [_case(s, fused=True, overlap=o) for s in names() for o in (False, True)]
+    cases += [
+        _case("zb-h1", model="embedding_model", chunks=3, steps=2, fused=True),
+        _case("1f1b", model="tuple_model", balance=[2, 4], fused=True),
+        _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2, fused=True),
+    ]
+    _verify(cases, _spawn(2, cases, tmp_path))
+
+
+@pytest.mark.timeout(300)
 def test_inline_transfers_and_steady_state_buffers(tmp_path):
     """overlap=False runs every transfer inline; both modes reuse their buffers.
 

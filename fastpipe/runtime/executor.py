@@ -33,7 +33,9 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
-from fastpipe.runtime._backward import WeightWork, backward_full, backward_input, backward_weight
+from fastpipe.runtime._backward import (
+    WeightWork, backward_full, backward_fused, backward_input, backward_weight,
+)
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.checkpoint import RngState, checkpointed, forgetful, guarded, recompute, stochastic
 from fastpipe.runtime.memory import SavedBytes
@@ -91,6 +93,8 @@ class RankExecutor:
             when the executor drops it, instead of freeing them as it runs:
             what ranks on threads of one interpreter want, since a backward
             then needs no GIL (see ``fastpipe.runtime._backward``).
+        fused_wgrad: B and W accumulate each Linear's weight gradient with
+            one ``addmm_`` into ``.grad`` (``_backward.backward_fused``).
     """
 
     def __init__(
@@ -102,9 +106,10 @@ class RankExecutor:
         checkpoint: str = "never",
         rng_lock: threading.Lock | None = None,
         keep_graphs: bool = False,
+        fused_wgrad: bool = False,
     ) -> None:
         self.rank = rank
-        self.keep_graphs = keep_graphs
+        self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
         self.schedule = schedule
         self.stages = stages
@@ -385,6 +390,14 @@ class RankExecutor:
     def _backward(self, a: Action) -> None:
         saved = self._grads_for(a.stage, a.microbatch)
         del self._saved[(a.stage, a.microbatch)]
+        if self.fused_wgrad:
+            # A first stage's inputs are the caller's tensors: leave them among
+            # the leaves whose .grad accumulates, as a plain backward does.
+            inputs = saved.leaves if a.stage > 0 else ()
+            grads = backward_fused(saved.roots, saved.grads, inputs, self.stages[a.stage].params)
+            if grads is not None:
+                self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
+                return
         backward_full(saved.roots, saved.grads, self.keep_graphs)
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
 
@@ -392,7 +405,8 @@ class RankExecutor:
         saved = self._grads_for(a.stage, a.microbatch)
         del self._saved[(a.stage, a.microbatch)]
         grads, work = backward_input(
-            saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params, self.keep_graphs
+            saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params, self.keep_graphs,
+            self.fused_wgrad,
         )
         self._weights[(a.stage, a.microbatch)] = work
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)

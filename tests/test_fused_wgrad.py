@@ -1,0 +1,217 @@
+"""fused_wgrad: Linear weight gradients accumulated with one GEMM into .grad.
+
+Every schedule must still reproduce the sequential gradients, whatever mix of
+layers a stage holds; layers the fast path cannot take (hooks, a weight used
+twice, addmm with alpha != 1) must take autograd's path, not lose gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe import Pipe
+from fastpipe.runtime import _backward
+from fastpipe.runtime._backward import backward_fused, backward_input, backward_weight
+from fastpipe.schedules import names
+from tests.models import embedding_model, reference, tuple_model
+
+F = nn.functional
+SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
+
+
+class Twice(nn.Module):
+    """One Linear applied twice: its weight gets two contributions."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+class Tied(nn.Module):
+    """A Linear whose weight is also used outside the Linear (a penalty)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x) + self.lin.weight.pow(2).sum() * 0.01
+
+
+class ScaledAddmm(nn.Module):
+    """addmm with alpha = 2: not a plain Linear, must not be fused."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) * 0.3)
+        self.b = nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x):
+        return torch.addmm(self.b, x, self.w.t(), alpha=2.0)
+
+
+def mixed(dtype=torch.float64, seed=0):
+    """Linears with and without bias, a 3-D Linear input, norms, a reused
+    Linear, a weight also used outside its Linear and an addmm that is not
+    a Linear, spread over the stages."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(5, 8), nn.GELU(), nn.Linear(8, 8, bias=False), nn.LayerNorm(8),
+        Twice(8), nn.Unflatten(1, (2, 4)), nn.Linear(4, 4), nn.Flatten(1), ScaledAddmm(8),
+        nn.Tanh(), Tied(8), nn.Linear(8, 8), nn.Linear(8, 3),
+    ).to(dtype)
+
+
+def _check(model_fn, x, y, schedule, ranks=2, chunks=4, balance=None, rtol=1e-10, atol=1e-12):
+    ref = model_fn()
+    ref_loss, ref_grads = reference(ref, x, y, F.mse_loss, chunks)
+    model = model_fn()
+    pipe = Pipe(model, chunks=chunks, schedule=schedule, balance=balance, devices=["cpu"] * ranks,
+                stages_per_rank=SPR.get(schedule), fused_wgrad=True)
+    try:
+        for step in range(2):  # the second step accumulates into existing .grad
+            loss = pipe.step(x, y, F.mse_loss)
+            torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, ref_grads[name] * (step + 1), rtol=rtol,
+                                           atol=atol, msg=f"{schedule} step {step}: {name}")
+    finally:
+        pipe.close()
+
+
+@pytest.fixture
+def count_native(monkeypatch):
+    """How many Linears went through the native accumulation."""
+    seen = []
+    real = _backward._accumulate_linears
+
+    def counted(pairs):
+        seen.extend(pairs)
+        return real(pairs)
+
+    monkeypatch.setattr(_backward, "_accumulate_linears", counted)
+    return seen
+
+
+@pytest.mark.parametrize("schedule", names())
+def test_every_schedule_matches_sequential_fp64(schedule, count_native):
+    torch.manual_seed(1)
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64)
+    _check(mixed, x, y, schedule)
+    assert count_native  # the fast path ran
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "zbv"])
+def test_fp32_tolerance_and_four_ranks(schedule):
+    torch.manual_seed(2)
+    x, y = torch.randn(16, 5), torch.randn(16, 3)
+    _check(lambda: mixed(torch.float32), x, y, schedule, ranks=4 if schedule != "zbv" else 2,
+           chunks=8, rtol=1e-5, atol=4e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_embedding_and_tuple_models(schedule):
+    torch.manual_seed(3)
+    ids, y = torch.randint(0, 11, (6, 4)), torch.randn(6, 4, 3, dtype=torch.float64)
+    _check(embedding_model, ids, y, schedule, chunks=3)
+    x, y = torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    _check(tuple_model, x, y, schedule, chunks=3, balance=[2, 4])
+
+
+def test_a_weight_with_a_tensor_hook_keeps_autograd_path(count_native):
+    torch.manual_seed(4)
+    calls = []
+
+    def model_fn():
+        m = mixed()
+        m[0].weight.register_hook(lambda g: calls.append(1) or g * 1.0)
+        return m
+
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    _check(model_fn, x, y, "1f1b")
+    assert calls  # the hook ran: the stage holding it took the plain backward
+    stage0 = {id(p) for p in mixed()[0].parameters()}
+    assert not any(id(lin.weight.variable) in stage0 for lin, _ in count_native)
+
+
+def test_fused_and_plain_backward_agree_on_one_stage():
+    """B, I+W fused and plain, on a stage whose input needs a gradient and on
+    one whose input does not (a first stage: W is then its whole backward)."""
+    torch.manual_seed(5)
+    for first in (False, True):
+        results = []
+        for how in ("plain", "fused B", "fused I+W"):
+            model = mixed()
+            x = torch.randn(6, 5, dtype=torch.float64, requires_grad=not first)
+            out = model(x)
+            g = torch.randn_like(out)
+            params = list(model.parameters())
+            inputs = [] if first else [x]
+            if how == "plain":
+                out.backward(g)
+                grads = [x.grad] if not first else []
+            elif how == "fused B":
+                grads = backward_fused([out], [g], inputs, params)
+            else:
+                grads, work = backward_input([out], [g], inputs, params, fused=True)
+                backward_weight(work)
+            results.append((grads, [p.grad.clone() for p in params]))
+        for grads, pgrads in results[1:]:
+            for a, b in zip(grads, results[0][0]):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+            for a, b in zip(pgrads, results[0][1]):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_nothing_to_fuse_runs_nothing():
+    model = nn.Sequential(nn.Tanh(), ScaledAddmm(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = model(x)
+    assert backward_fused([out], [torch.ones_like(out)], [x], list(model.parameters())) is None
+    assert all(p.grad is None for p in model.parameters()) and x.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 33])
+def test_native_accumulation_matches_torch(dtype, rows):
+    """The native GEMM path against addmm_: with and without bias, into an
+    empty and an existing .grad; one of weight and bias without .grad."""
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.manual_seed(rows)
+    for bias, start in ((True, None), (True, "both"), (False, "both"), (True, "weight only")):
+        lins = [nn.Linear(13, 9, bias=bias).to(dtype), nn.Linear(9, 13, bias=bias).to(dtype)]
+        ref = [nn.Linear(13, 9, bias=bias).to(dtype), nn.Linear(9, 13, bias=bias).to(dtype)]
+        for a, b in zip(lins, ref):
+            b.load_state_dict(a.state_dict())
+            if start is not None:
+                for pa, pb in zip(a.parameters(), b.parameters()):
+                    pa.grad = torch.randn_like(pa)
+                    pb.grad = pa.grad.clone()
+                if start == "weight only" and bias:
+                    a.bias.grad = b.bias.grad = None
+        x = torch.randn(rows, 13, dtype=dtype)
+        out = lins[1](torch.tanh(lins[0](x)))
+        backward_fused([out], [torch.ones_like(out)], [], [p for m in lins for p in m.parameters()])
+        ref[1](torch.tanh(ref[0](x))).backward(torch.ones(rows, 13, dtype=dtype))
+        for a, b in zip(lins, ref):
+            for pa, pb in zip(a.parameters(), b.parameters()):
+                if pb.grad is None:  # no rows: autograd gives zeros, or leaves it untouched
+                    pb.grad = torch.zeros_like(pb)
+                torch.testing.assert_close(pa.grad, pb.grad, **tol)
+
+
+def test_bfloat16_takes_torch_ops(count_native):
+    torch.manual_seed(6)
+    x, y = torch.randn(8, 5, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
+    _check(lambda: mixed(torch.bfloat16), x, y, "zb-h1", rtol=0.05, atol=0.05)
+
+
+def test_bad_flag_is_refused():
+    with pytest.raises(TypeError, match="fused_wgrad must be a bool, got str"):
+        Pipe(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), chunks=2, devices=["cpu", "cpu"],
+             fused_wgrad="yes")
