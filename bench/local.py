@@ -12,12 +12,29 @@ once. It shows what one GIL lets two threads overlap; it is not a bound (a
 pipeline can do better by running one rank's forward, which needs the GIL,
 beside the other's backward, which does not: 1F1B does).
 
+Rows marked ``+fused`` run with ``Pipe(fused_wgrad=True)``: each Linear's
+weight gradient accumulated by one GEMM into ``.grad``. That makes the work
+itself cheaper, so their efficiency is taken against a sequential baseline
+that does the same (a one-rank fused Pipe), while their torchgpipe/fastpipe
+column is plain throughput against the same torchgpipe run.
+
+One intra-op thread means one in every thread: ``torch.set_num_threads(1)``
+reaches only the thread that calls it, and threads that torch did not start
+(torchgpipe's workers, this file's two-thread reference) otherwise keep
+OpenMP's default of one per core. The benchmark therefore runs itself with
+``OMP_NUM_THREADS=1`` (re-executing when it is not set), so the peer gets the
+same single thread per worker as fastpipe's ranks, which apply the caller's
+count on their lanes themselves.
+
     python -m bench local [--workload compute|overhead|both] [--repeats N]
+                          [--fused-wgrad off|on|both]
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 from torch import nn
@@ -57,6 +74,7 @@ def _two_threads_step(width, blocks, batch, chunks):
     inputs = [torch.randn(batch, width).tensor_split(chunks) for _ in parts]
 
     def work(part, xs):
+        torch.set_num_threads(1)
         for x in xs:
             # The graph freed after the backward, not inside it, as fastpipe's
             # local mode does (fastpipe.runtime._backward): freeing inside
@@ -75,7 +93,22 @@ def _two_threads_step(width, blocks, batch, chunks):
     return step
 
 
-def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
+FUSED = " +fused"
+
+
+def _one_rank_fused_step(width, blocks, batch, chunks):
+    """The sequential baseline with fused weight gradients: the whole model
+    as one stage of a one-rank Pipe (the plain one-rank Pipe times the same
+    as ``sequential_step``: its executor adds nothing measurable)."""
+    from fastpipe import Pipe
+
+    pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule="gpipe", devices=["cpu"],
+                fused_wgrad=True)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    return pipe, functools.partial(pipe.step, x, y, nn.functional.mse_loss)
+
+
+def run(workload: str, repeats: int, warmup: int, schedules: list[str], fused: str = "off") -> None:
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
@@ -87,11 +120,17 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
     if theirs_step is not None:
         runners["torchgpipe"] = functools.partial(theirs_step, x, y)
     pipes = []
+    variants = {"off": [False], "on": [True], "both": [False, True]}[fused]
+    if True in variants:
+        pipe, runners["sequential" + FUSED] = _one_rank_fused_step(width, blocks, batch, chunks)
+        pipes.append(pipe)
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
-        pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
-                          devices=["cpu", "cpu"], stages_per_rank=spr))
-        runners[schedule] = functools.partial(pipes[-1].step, x, y, nn.functional.mse_loss)
+        for f in variants:
+            pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+                              devices=["cpu", "cpu"], stages_per_rank=spr, fused_wgrad=f))
+            name = schedule + (FUSED if f else "")
+            runners[name] = functools.partial(pipes[-1].step, x, y, nn.functional.mse_loss)
     # In turns (a few steps of each, round after round), so machine drift
     # falls on the baseline, the peer and every schedule alike.
     times = round_robin_medians(runners, warmup, max(1, repeats // 3), lambda: None, per_round=3)
@@ -99,10 +138,14 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
         pipe.close()
     seq, theirs = times.pop("sequential"), times.pop("torchgpipe", None)
     both = times.pop("two threads")
+    seq_fused = times.pop("sequential" + FUSED, None)
     rows = times
     ideal = seq / 2
     print(f"\n{workload}-bound, local mode: {blocks} MLP blocks d={width}, batch {batch}, {chunks} "
           f"microbatches, 2 cpu devices x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
+    if seq_fused is not None:
+        print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
+              f"the baseline of the{FUSED} rows' efficiency")
     print(f"  two threads, no pipeline (the halves at once) {both * 1e3:.1f} ms, "
           f"efficiency {ideal / both:.2f}")
     if theirs is not None:
@@ -112,11 +155,23 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str]) -> None:
     print(f"  {'fastpipe schedule':<18}{'ms':>9}{'efficiency':>12}{'torchgpipe/fastpipe':>21}")
     for schedule, ours in rows.items():
         ratio = f"{theirs / ours:>21.2f}" if theirs is not None else ""
-        print(f"  {schedule:<18}{ours * 1e3:>9.1f}{ideal / ours:>12.2f}{ratio}")
+        base = seq_fused if schedule.endswith(FUSED) else seq
+        print(f"  {schedule:<18}{ours * 1e3:>9.1f}{base / 2 / ours:>12.2f}{ratio}")
+
+
+def _single_threaded(argv: list[str]) -> None:
+    """Re-executes this benchmark with OMP_NUM_THREADS=1 unless it has it."""
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "bench", "local", *argv])
 
 
 def main(argv=None) -> int:
-    args = workload_parser("python -m bench local", __doc__, SCHEDULES).parse_args(argv)
+    _single_threaded(sys.argv[1:] if argv is None else argv)
+    parser = workload_parser("python -m bench local", __doc__, SCHEDULES)
+    parser.add_argument("--fused-wgrad", choices=["off", "on", "both"], default="both",
+                        help="fastpipe rows without, with, or both without and with fused_wgrad")
+    args = parser.parse_args(argv)
     for w in workloads(args):
-        run(w, args.repeats, args.warmup, args.schedules.split(","))
+        run(w, args.repeats, args.warmup, args.schedules.split(","), args.fused_wgrad)
     return 0

@@ -21,6 +21,7 @@ from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
+from fastpipe.runtime.threads import with_caller_threads
 from fastpipe.runtime.transport import (
     CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, flow_groups,
     late_groups,
@@ -516,7 +517,8 @@ class Pipe(nn.Module):
                 if executor.records is not None:
                     self._recording.extend(executor.records)  # list.extend is atomic
 
-        events = [self._ring.submit(r, lambda r=r: run_rank(r)) for r in range(schedule.ranks)]
+        events = [self._ring.submit(r, with_caller_threads(lambda r=r: run_rank(r)))
+                  for r in range(schedule.ranks)]
         try:
             outcomes = [_outcome(ev) for ev in events]
         except KeyboardInterrupt as exc:

@@ -98,3 +98,44 @@ def test_stage_error_reaches_caller_with_its_type():
     with pytest.raises(ArithmeticError, match="layer 3 cannot divide"):
         pipe.step(torch.randn(4, 5), torch.randn(4, 3), F.mse_loss)
     pipe.close()
+
+
+def _omp_max_threads():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).omp_get_max_threads
+    except AttributeError:
+        return None
+
+
+class _ThreadCount(nn.Module):
+    """Records the OpenMP thread count of the thread its forward runs on."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen, self.query = seen, _omp_max_threads()
+
+    def forward(self, x):
+        self.seen.append(self.query())
+        return x * 2
+
+
+@pytest.mark.skipif(_omp_max_threads() is None, reason="torch is not built with OpenMP here")
+def test_ranks_use_the_callers_intra_op_thread_count():
+    # A lane thread keeps OpenMP's default (one thread per core) unless the
+    # caller's torch.set_num_threads reaches it: a count above the default
+    # tells the two apart on any machine.
+    wanted = torch.get_num_threads()
+    seen = []
+    pipe = Pipe(nn.Sequential(_ThreadCount(seen), nn.Linear(4, 4), _ThreadCount(seen)), chunks=2,
+                devices=["cpu", "cpu"], balance=[2, 1], overlap=True)
+    try:
+        for n in (wanted + 2, 1):
+            torch.set_num_threads(n)
+            seen.clear()
+            pipe.step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
+            assert seen and set(seen) == {n}
+    finally:
+        torch.set_num_threads(wanted)
+        pipe.close()

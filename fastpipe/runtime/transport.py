@@ -57,6 +57,7 @@ from fastpipe._ext import native
 from fastpipe._microbatch import Spec, needs_grad
 from fastpipe.runtime.buffers import BufferRing, Stream, receive_slots
 from fastpipe.runtime.packing import Layout, aligned, pack_into, unpack, wire_roundtrip
+from fastpipe.runtime.threads import with_caller_threads
 from fastpipe.schedules import Action, Kind
 
 Key = tuple[str, int, int]
@@ -175,7 +176,7 @@ class LocalTransport:
             self._deliver(tensors, spec, dst, key)
             return
         job = lambda: self._deliver(tensors, spec, dst, key)  # noqa: E731
-        self._sends.append(self.lanes.ring.submit(self.lanes.send, job))
+        self._sends.append(self.lanes.ring.submit(self.lanes.send, with_caller_threads(job)))
 
     def _deliver(self, tensors: list[torch.Tensor], spec: bool, dst: int, key: Key) -> None:
         try:
@@ -737,8 +738,10 @@ class DistTransport:
             self._sends.append(self._issue(tensors, spec, dst, key))
             return
         ring = self.lanes.ring
-        issued = ring.submit(self.lanes.send, lambda: self._issue(tensors, spec, dst, key))
-        done = ring.submit(self.lanes.send_done, lambda: self._settle(issued.wait()), [issued])
+        issued = ring.submit(self.lanes.send,
+                             with_caller_threads(lambda: self._issue(tensors, spec, dst, key)))
+        done = ring.submit(self.lanes.send_done,
+                           with_caller_threads(lambda: self._settle(issued.wait())), [issued])
         self._sends.append(done)
         self._events += (issued, done)
 
@@ -798,9 +801,10 @@ class DistTransport:
             self._pump()
             return pending
         ring = self.lanes.ring
-        posted = ring.submit(self.lanes.post, lambda: self._post(src, key))
+        posted = ring.submit(self.lanes.post, with_caller_threads(lambda: self._post(src, key)))
         done = ring.submit(
-            self.lanes.recv_done, lambda: self._complete(posted.wait(), src, key), [posted]
+            self.lanes.recv_done,
+            with_caller_threads(lambda: self._complete(posted.wait(), src, key)), [posted],
         )
         self._events += (posted, done)
         return _DistRecv(self, src, key, event=done)
