@@ -11,7 +11,14 @@ twice: with its default on CPUs (transfers on the compute thread,
 the layers alone, both at once, with no messages: the machine's ceiling for
 any pipeline on these ranks.
 
+With ``--fused-wgrad`` fastpipe also runs with ``Pipe(fused_wgrad=True)``
+(each Linear's weight gradient accumulated by one GEMM into ``.grad``): its
+"fused" column's efficiency is taken against a sequential baseline that
+does the same (the model as one stage of a one-rank fused Pipe), since the
+work itself is cheaper; torch/fused is plain throughput.
+
     python -m bench pipelining [--workload compute|overhead|both] [--repeats N]
+                               [--fused-wgrad]
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ def _alone_time(width, blocks, batch, chunks, rank, world, warmup, repeats) -> f
                                per_round=3)["alone"]
 
 
-def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
+def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats, fused=False):
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
@@ -135,6 +142,10 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
                           stages_per_rank=spr, overlap=overlap) for overlap in (False, True)]
             runners = {"ours": functools.partial(pipes[0].step, x, y, loss_fn),
                        "lanes": functools.partial(pipes[1].step, x, y, loss_fn)}
+            if fused:
+                pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+                                  stages_per_rank=spr, fused_wgrad=True))
+                runners["fused"] = functools.partial(pipes[-1].step, x, y, loss_fn)
             theirs = None
             try:
                 runners["theirs"] = functools.partial(
@@ -146,37 +157,68 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats):
             times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
             for pipe in pipes:
                 pipe.close()
-            rows[schedule] = (times["ours"], times["lanes"], times.get("theirs", theirs))
+            rows[schedule] = (times["ours"], times["lanes"], times.get("theirs", theirs),
+                              times.get("fused"))
     finally:
         dist.destroy_process_group()
     queue.put((rank, rows))
 
 
-def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: int = 2) -> None:
+def _fused_sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
+    """``sequential_time`` with fused weight gradients: the model as the one
+    stage of a one-rank Pipe (local mode, so no process group is needed)."""
+    from fastpipe import Pipe
+
+    pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule="gpipe", devices=["cpu"],
+                fused_wgrad=True)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    try:
+        return median_time(lambda: pipe.step(x, y, nn.functional.mse_loss), warmup, repeats,
+                           lambda: None)
+    finally:
+        pipe.close()
+
+
+def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
+        fused: bool = False) -> None:
     width, blocks, batch, chunks = WORKLOADS[workload]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     seq = sequential_time(width, blocks, batch, chunks, warmup, repeats)
-    rows = spawn(ranks, _rank_main, workload, schedules, warmup, repeats)[0]
+    seq_fused = _fused_sequential_time(width, blocks, batch, chunks, warmup, repeats) if fused else None
+    rows = spawn(ranks, _rank_main, workload, schedules, warmup, repeats, fused)[0]
     ideal = seq / ranks
     alone = rows.pop("alone")
     print(f"\n{workload}-bound: {blocks} MLP blocks d={width}, batch {batch}, {chunks} microbatches, "
           f"{ranks} gloo ranks x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
     print(f"  each rank its layers alone, no pipeline (the machine's ceiling) {alone * 1e3:.1f} ms, "
           f"efficiency {ideal / alone:.2f}")
+    if seq_fused is not None:
+        print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
+              "the baseline of 'eff fused'")
+    fused_head = f"{'fused ms':>10}{'torch/fused':>13}{'eff fused':>11}" if fused else ""
     print(f"  {'schedule':<18}{'fastpipe ms':>12}{'lanes ms':>10}{'torch ms':>10}"
-          f"{'torch/fastpipe':>16}{'lanes/default':>15}{'eff fastpipe':>14}{'eff torch':>11}")
-    for schedule, (ours, lanes, theirs) in rows.items():
+          f"{'torch/fastpipe':>16}{'lanes/default':>15}{'eff fastpipe':>14}{'eff torch':>11}"
+          f"{fused_head}")
+    for schedule, (ours, lanes, theirs, ours_fused) in rows.items():
         head = f"  {schedule:<18}{ours * 1e3:>12.1f}{lanes * 1e3:>10.1f}"
+        tail = ""
+        if ours_fused is not None:
+            vs = f"{theirs / ours_fused:>13.2f}" if not isinstance(theirs, str) else f"{'':>13}"
+            tail = f"{ours_fused * 1e3:>10.1f}{vs}{seq_fused / ranks / ours_fused:>11.2f}"
         if isinstance(theirs, str):
-            print(f"{head}{theirs:>10}{'':>16}{lanes / ours:>15.2f}{ideal / ours:>14.2f}")
+            print(f"{head}{theirs:>10}{'':>16}{lanes / ours:>15.2f}{ideal / ours:>14.2f}{'':>11}"
+                  f"{tail}")
             continue
         print(f"{head}{theirs * 1e3:>10.1f}{theirs / ours:>16.2f}{lanes / ours:>15.2f}"
-              f"{ideal / ours:>14.2f}{ideal / theirs:>11.2f}")
+              f"{ideal / ours:>14.2f}{ideal / theirs:>11.2f}{tail}")
 
 
 def main(argv=None) -> int:
-    args = workload_parser("python -m bench pipelining", __doc__, SCHEDULES).parse_args(argv)
+    parser = workload_parser("python -m bench pipelining", __doc__, SCHEDULES)
+    parser.add_argument("--fused-wgrad", action="store_true",
+                        help="also run fastpipe with Pipe(fused_wgrad=True)")
+    args = parser.parse_args(argv)
     for w in workloads(args):
-        run(w, args.repeats, args.warmup, args.schedules.split(","))
+        run(w, args.repeats, args.warmup, args.schedules.split(","), fused=args.fused_wgrad)
     return 0
