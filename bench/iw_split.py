@@ -7,7 +7,11 @@ it) and as the first stage (the model's input needs none: I has nothing to
 do and W runs the whole backward). B, I and W are timed in alternation so
 drift hits both sides alike.
 
-    python -m bench iw_split [--repeats N] [--rows R]
+With ``--fused-wgrad`` all three run as ``Pipe(fused_wgrad=True)`` runs
+them (each Linear's weight gradient one GEMM into ``.grad``): I+W is then
+compared with a fused B.
+
+    python -m bench iw_split [--repeats N] [--rows R] [--fused-wgrad]
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 import torch
 from torch import nn
 
-from fastpipe.runtime._backward import backward_full, backward_input, backward_weight
+from fastpipe.runtime._backward import backward_full, backward_fused, backward_input, backward_weight
 
 
 def _stage(width: int, blocks: int) -> nn.Sequential:
@@ -31,7 +35,7 @@ def _stage(width: int, blocks: int) -> nn.Sequential:
 
 
 def measure(rows: int, width: int, blocks: int, repeats: int,
-            input_grad: bool = True) -> tuple[float, float, float]:
+            input_grad: bool = True, fused: bool = False) -> tuple[float, float, float]:
     """Median seconds of (B, I, W) for one microbatch through one stage."""
     stage = _stage(width, blocks)
     params = list(stage.parameters())
@@ -42,13 +46,15 @@ def measure(rows: int, width: int, blocks: int, repeats: int,
         y = stage(xi)
         g = torch.ones_like(y)
         t0 = time.perf_counter()
-        backward_full([y], [g])
+        # The executor's B: fused when it can be, else the engine's own.
+        if not fused or backward_fused([y], [g], [xi] if input_grad else (), params) is None:
+            backward_full([y], [g])
         b_times.append(time.perf_counter() - t0)
 
         xi = x.clone().requires_grad_(input_grad)
         y = stage(xi)
         t0 = time.perf_counter()
-        _, work = backward_input([y], [g], [xi], params)
+        _, work = backward_input([y], [g], [xi], params, fused=fused)
         t1 = time.perf_counter()
         backward_weight(work)
         t2 = time.perf_counter()
@@ -63,11 +69,16 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--fused-wgrad", action="store_true",
+                        help="B, I and W with fused weight gradients")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"stage: {args.blocks} MLP blocks d={args.width}, microbatch of {args.rows} rows, 1 thread")
+    fused = ", fused weight gradients" if args.fused_wgrad else ""
+    print(f"stage: {args.blocks} MLP blocks d={args.width}, microbatch of {args.rows} rows, "
+          f"1 thread{fused}")
     for name, input_grad in (("later stage", True), ("first stage", False)):
-        b, i, w = measure(args.rows, args.width, args.blocks, args.repeats, input_grad)
+        b, i, w = measure(args.rows, args.width, args.blocks, args.repeats, input_grad,
+                          args.fused_wgrad)
         print(f"  {name:<12} B {b * 1e3:.2f} ms   I {i * 1e3:.2f} ms   W {w * 1e3:.2f} ms   "
               f"(I+W)/B = {(i + w) / b:.3f}")
     return 0
