@@ -28,13 +28,18 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int, sync: Calla
 
 
 def round_robin_medians(fns: dict, warmup: int, rounds: int, sync: Callable[[], None],
-                        per_round: int = 1) -> dict:
+                        per_round: int = 1, settle: int = 1) -> dict:
     """Median time of each of ``fns`` (name -> callable), measured in turns.
 
     Every round times each callable ``per_round`` times before going on to
     the next, so a slow spell of the machine falls on all of them rather than
     on whichever happened to run then; the figure is the median over rounds
-    of each round's median. ``warmup`` untimed runs of each come first.
+    of each round's median. ``warmup`` untimed runs of each come first, and
+    ``settle`` untimed runs open every turn: the first step after another
+    workload runs on caches and pages that workload left (a local 1F1B step
+    right after torchgpipe's took 27-31 ms against 20 ms once settled, and
+    which row came after torchgpipe decided whose median it spoiled), which
+    a training loop running one pipeline step after step never sees.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -42,7 +47,7 @@ def round_robin_medians(fns: dict, warmup: int, rounds: int, sync: Callable[[], 
     times: dict = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(median_time(fn, 0, per_round, sync))
+            times[name].append(median_time(fn, settle, per_round, sync))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
