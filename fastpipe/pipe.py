@@ -21,7 +21,7 @@ from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
-from fastpipe.runtime.threads import with_caller_threads
+from fastpipe.runtime.threads import autocast_state, with_caller_threads
 from fastpipe.runtime.transport import (
     CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, flow_groups,
     late_groups,
@@ -379,6 +379,11 @@ class Pipe(nn.Module):
     def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
         """One training step: forward and backward of every microbatch.
 
+        Inside ``torch.autocast(...)`` the forwards, the loss and any
+        recomputation run under the caller's region and the backward outside
+        it, as in the usual AMP loop, on every rank (local ranks are threads:
+        they get the region from here).
+
         Returns:
             The mean over microbatches of ``loss_fn``, detached, on every rank.
 
@@ -465,7 +470,8 @@ class Pipe(nn.Module):
             transport = self._transport(self.rank, None)
             transport.all_actions = schedule.actions  # exact messages follow the senders' order
             executor = RankExecutor(self.rank, schedule, self._stages[self.rank], transport,
-                                    self.checkpoint, fused_wgrad=self.fused_wgrad)
+                                    self.checkpoint, fused_wgrad=self.fused_wgrad,
+                                    autocast=autocast_state())
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording
@@ -500,6 +506,7 @@ class Pipe(nn.Module):
         rng_lock = threading.Lock() if self.checkpoint != "never" else None
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
+        amp = autocast_state()  # thread-local: read here, applied on each rank's lane
 
         transports = [self._transport(rank, mailbox) for rank in range(schedule.ranks)]
         lanes = [self._lanes_of(rank) for rank in range(schedule.ranks)] if self._copies else []
@@ -509,7 +516,7 @@ class Pipe(nn.Module):
         def run_rank(rank: int):
             executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
                                     self.checkpoint, rng_lock, keep_graphs=True,
-                                    fused_wgrad=self.fused_wgrad)
+                                    fused_wgrad=self.fused_wgrad, autocast=amp)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:

@@ -50,10 +50,13 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             del _SIZES[:]
             for x, y in case["batches"]:
                 counts.clear()
-                losses.append(pipe.step(x, y, nn.functional.mse_loss))
+                if case.get("amp"):  # the step under CPU bf16 autocast, float32 data
+                    x, y = x.float(), y.float()
+                with _amp(case):
+                    losses.append(pipe.step(x, y, nn.functional.mse_loss))
                 p2p.append(dict(counts))
                 rings.append(_ring_stats(pipe))
-                with torch.no_grad():
+                with torch.no_grad(), _amp(case):
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
@@ -64,6 +67,10 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _amp(case: dict):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(case.get("amp")))
 
 
 _SIZES: list = []  # (op, this rank, peer, tag, bytes) of every isend/irecv of a case

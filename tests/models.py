@@ -54,6 +54,54 @@ def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+class _Fp32Matmul(torch.autograd.Function):
+    """``x @ w`` in float32 both ways, whatever autocast says in forward;
+    its backward has no ``custom_bwd``, so it runs under whatever autocast
+    region is active when backward runs: a backward under autocast gives it
+    bf16 gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        with torch.autocast("cpu", enabled=False):
+            return x.float() @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return (g.float() @ w.t()).to(x.dtype), x.float().t() @ g.float()
+
+
+class Fp32Matmul(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x):
+        return _Fp32Matmul.apply(x, self.weight)
+
+
+def amp_model(seed: int = 0) -> nn.Sequential:
+    """float32 layers for autocast, one of them computing its gradient in float32."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), Fp32Matmul(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3))
+
+
+def amp_reference(model: nn.Sequential, x, y, chunks: int) -> list[torch.dtype]:
+    """The usual AMP loop over microbatches: forward and loss under CPU bf16
+    autocast, ``(loss / chunks).backward()`` outside it. Returns the output
+    dtype of each microbatch."""
+    dtypes = []
+    for a, b in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(a)
+            loss = nn.functional.mse_loss(out, b)
+        (loss / chunks).backward()
+        dtypes.append(out.dtype)
+    return dtypes
+
+
 def mlp_deep(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
     """Enough layers for 4 ranks × 2 stages."""
     return mlp(depth=10, dtype=dtype, seed=seed)

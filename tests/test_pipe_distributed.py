@@ -133,6 +133,26 @@ def test_two_ranks_fused_weight_grads(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_two_ranks_step_under_autocast(tmp_path):
+    """A step inside torch.autocast: forwards (and recomputation) under it,
+    backward outside it, as the usual AMP loop runs them."""
+    cases = [_case(s, model="amp_model", amp=True) for s in ("1f1b", "zb-h1")]
+    cases.append(_case("gpipe", model="amp_model", amp=True, checkpoint="always"))
+    results = _spawn(2, cases, tmp_path)
+    for i, case in enumerate(cases):
+        ref = models.amp_model()
+        (x, y), = case["batches"]
+        assert set(models.amp_reference(ref, x.float(), y.float(), case["chunks"])) == {torch.bfloat16}
+        grads = {n: g for r in results for n, g in r[i]["grads"].items()}
+        assert grads.keys() == dict(ref.named_parameters()).keys()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"{case['schedule']}: {name}")
+        outs = [r[i]["outs"][0] for r in results if r[i]["outs"][0] is not None]
+        assert outs[0].dtype == torch.bfloat16
+
+
+@pytest.mark.timeout(300)
 def test_inline_transfers_and_steady_state_buffers(tmp_path):
     """overlap=False runs every transfer inline; both modes reuse their buffers.
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.schedules import names
-from tests.models import embedding_model, mlp, reference, tuple_model
+from tests.models import amp_model, amp_reference, embedding_model, mlp, reference, tuple_model
 
 F = nn.functional
 
@@ -138,4 +138,28 @@ def test_ranks_use_the_callers_intra_op_thread_count():
             assert seen and set(seen) == {n}
     finally:
         torch.set_num_threads(wanted)
+        pipe.close()
+
+
+@pytest.mark.parametrize("schedule,checkpoint", [("1f1b", "never"), ("zb-h1", "never"),
+                                                 ("gpipe", "always")])
+def test_step_under_autocast_matches_the_amp_loop(schedule, checkpoint):
+    # Autocast is thread-local: the ranks' lanes get the caller's region for
+    # forwards (and recomputation) and run backward outside it.
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    ref = amp_model()
+    dtypes = amp_reference(ref, x, y, 4)
+    assert set(dtypes) == {torch.bfloat16}  # the region does change the arithmetic
+    model = amp_model()
+    pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"], checkpoint=checkpoint)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pipe.step(x, y, F.mse_loss)
+            out = pipe(x)
+        assert out.dtype == torch.bfloat16
+        assert pipe(x).dtype == torch.float32  # and nothing of it stays behind
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
         pipe.close()

@@ -39,6 +39,7 @@ from fastpipe.runtime._backward import (
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.checkpoint import RngState, checkpointed, forgetful, guarded, recompute, stochastic
 from fastpipe.runtime.memory import SavedBytes
+from fastpipe.runtime.threads import Autocast, autocast
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -95,6 +96,10 @@ class RankExecutor:
             then needs no GIL (see ``fastpipe.runtime._backward``).
         fused_wgrad: B and W accumulate each Linear's weight gradient with
             one ``addmm_`` into ``.grad`` (``_backward.backward_fused``).
+        autocast: the caller's autocast regions and cache flag
+            (``threads.autocast_state()``, read on the caller's thread):
+            forwards, the loss and recomputation run under them, B, I and W
+            with them off.
     """
 
     def __init__(
@@ -107,8 +112,10 @@ class RankExecutor:
         rng_lock: threading.Lock | None = None,
         keep_graphs: bool = False,
         fused_wgrad: bool = False,
+        autocast: tuple[Autocast, bool] = ((), True),
     ) -> None:
         self.rank = rank
+        self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
         self.schedule = schedule
@@ -167,7 +174,8 @@ class RankExecutor:
                     self._post(action)
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         try:
-            with grad_mode:
+            # Autocast off but where _forward and _recompute turn it on.
+            with grad_mode, autocast(self._amp, self._amp_cache, enabled=False):
                 self._loop()
         except BaseException as exc:
             self.transport.fail(exc, self._unsent())
@@ -306,7 +314,7 @@ class RankExecutor:
             rng = RngState.capture(stage.device) if ckpt else None
             counting = self._train and known is None
             with self._saved_bytes.counting() if counting else nullcontext():
-                with forgetful() if ckpt else nullcontext():
+                with forgetful() if ckpt else nullcontext(), self._autocast():
                     out = stage.module(unflatten(leaves, spec))
                     loss = self._loss(mb, out) if last and self._train else None
         if self._train:
@@ -327,6 +335,9 @@ class RankExecutor:
             # memory is freed unless autograd itself saved it for backward.
             roots = [] if ckpt else [get_gradient_edge(t) for t in tensors if needs_grad(t)]
             self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, spec=spec)
+
+    def _autocast(self):
+        return autocast(self._amp, self._amp_cache) if self._amp else nullcontext()
 
     def _loss(self, mb: int, out: Value) -> torch.Tensor:
         """The scaled loss of one microbatch (its mean over microbatches)."""
@@ -354,7 +365,8 @@ class RankExecutor:
         known = stage.saved_bytes.get(shape_key)
         start = self._saved_bytes.total
         counting = self._saved_bytes.counting() if known is None else nullcontext()
-        with recompute(saved.rng, self.rng_lock if stage.stochastic else None), counting:
+        with recompute(saved.rng, self.rng_lock if stage.stochastic else None), counting, \
+                self._autocast():
             out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
                 saved.roots = [self._loss(mb, out) / self.schedule.microbatches]

@@ -1,4 +1,4 @@
-"""Torch's intra-op thread count on the native ring's lane threads.
+"""The caller's thread-local torch settings on the native ring's lane threads.
 
 ``torch.set_num_threads(n)`` sets OpenMP's thread count for the thread that
 calls it (and a process-wide value that ``torch.get_num_threads()`` reads
@@ -16,8 +16,9 @@ on the lane first.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -42,3 +43,36 @@ def with_caller_threads(fn: Callable[[], T]) -> Callable[[], T]:
         return fn()
 
     return task
+
+
+# --- autocast ----------------------------------------------------------------------
+#
+# torch.autocast is thread-local too: a lane thread does not see the caller's
+# region, so in local mode a step under ``torch.autocast`` would run in full
+# precision. The Pipe reads the caller's state and each rank's executor
+# applies it to what the user's code would run inside the region (forwards,
+# the loss, recomputation) and keeps it off the backward, as the usual AMP
+# loop does (``with autocast: loss = ...`` then ``loss.backward()`` outside;
+# torch advises against backward passes under autocast).
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+Autocast = tuple[tuple[str, torch.dtype], ...]
+
+
+def autocast_state() -> tuple[Autocast, bool]:
+    """The calling thread's enabled autocast regions, as (device type, dtype)
+    pairs, and whether autocast's weight-cast cache is on."""
+    regions = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+                    if torch.is_autocast_enabled(d))
+    return regions, torch.is_autocast_cache_enabled()
+
+
+@contextlib.contextmanager
+def autocast(regions: Autocast, cache: bool = True, enabled: bool = True) -> Iterator[None]:
+    """Enters ``regions`` (``enabled=False``: leaves them off) on this thread."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in regions:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled,
+                                               cache_enabled=cache))
+        yield
