@@ -40,7 +40,9 @@ import torch
 from torch import nn
 
 from bench._runner import round_robin_medians, workload_parser, workloads
-from bench.pipelining import TWO_STAGES, WORKLOADS, make_model, sequential_step
+from bench.pipelining import (
+    TWO_STAGES, WORKLOADS, fused_sequential_step, make_model, sequential_step,
+)
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
@@ -96,20 +98,6 @@ def _two_threads_step(width, blocks, batch, chunks):
 FUSED = " +fused"
 
 
-def _one_rank_fused_step(width, blocks, batch, chunks):
-    """The sequential baseline with fused weight gradients: the whole model
-    as one stage of a one-rank Pipe. A plain one-rank Pipe measured against
-    ``sequential_step``: the same time on the wide model, 2-5 % slower on the
-    narrow one (its executor's own work), which flatters the narrow fused
-    rows' efficiency by as much."""
-    from fastpipe import Pipe
-
-    pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule="gpipe", devices=["cpu"],
-                fused_wgrad=True)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    return pipe, functools.partial(pipe.step, x, y, nn.functional.mse_loss)
-
-
 def run(workload: str, repeats: int, warmup: int, schedules: list[str], fused: str = "off") -> None:
     from fastpipe import Pipe
 
@@ -124,7 +112,7 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str], fused: s
     pipes = []
     variants = {"off": [False], "on": [True], "both": [False, True]}[fused]
     if True in variants:
-        pipe, runners["sequential" + FUSED] = _one_rank_fused_step(width, blocks, batch, chunks)
+        pipe, runners["sequential" + FUSED] = fused_sequential_step(width, blocks, batch, chunks)
         pipes.append(pipe)
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
