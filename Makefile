@@ -68,7 +68,7 @@ define sanitize
 	  $(CXX) -std=c++17 -fPIC -fvisibility=hidden -fsanitize=$(2) -fno-omit-frame-pointer -O1 -g \
 	    $$($(PY) -m pybind11 --includes) -Icsrc -c $$f -o build/$(1)/$$(basename $$f .cpp).o & \
 	  pids="$$pids $$!"; done; for p in $$pids; do wait $$p || exit 1; done
-	$(CXX) -shared -fsanitize=$(2) build/$(1)/*.o -ldl \
+	$(CXX) -shared -fsanitize=$(2) build/$(1)/*.o -ldl -lrt \
 	  -o build/$(1)/fastpipe/_C$$($(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 	cd build/$(1) && FASTPIPE_TEST_NATIVE_DIR=$(CURDIR)/build/$(1) FASTPIPE_CUDA=0 $(3) \
 	  LD_PRELOAD="$$($(CXX) -print-file-name=lib$(1).so) $$($(CXX) -print-file-name=libstdc++.so)" \

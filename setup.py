@@ -47,7 +47,7 @@ def extension() -> Pybind11Extension:
         include_dirs=[str(CSRC)] + ([cuda_include] if cuda_include else []),
         define_macros=[("FASTPIPE_WITH_CUDA", "1")] if cuda_include else [],
         extra_compile_args=["-O2", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-        libraries=["dl"],
+        libraries=["dl", "rt"],
         cxx_std=17,
     )
 

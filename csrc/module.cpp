@@ -12,6 +12,7 @@
 #include "event.h"
 #include "host_ring.h"
 #include "mailbox.h"
+#include "shm_link.h"
 #include "slot_ring.h"
 
 namespace py = pybind11;
@@ -137,6 +138,30 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("failed", &Mailbox::failed)
       .def_property_readonly("spin", &Mailbox::spin)
       .def("__len__", &Mailbox::size);
+
+  py::class_<ShmLink>(m, "ShmLink",
+                      "One process's end of same-host channels: a byte ring per direction in "
+                      "POSIX shared memory (see csrc/shm_link.h). Statuses: 0 ok, 1 the peer "
+                      "aborted, 2 timeout, 3 the peer process is gone. One thread at a time.")
+      .def(py::init<double>(), py::arg("spin") = 0.0)
+      .def("open", &ShmLink::open, py::arg("name"), py::arg("create"), py::arg("writer"),
+           py::arg("capacity") = 0, "Map (or create) the channel `name`; returns its index.")
+      .def_static("unlink", &ShmLink::unlink, py::arg("name"))
+      .def("send", &ShmLink::send, py::arg("channel"), py::arg("tag"), py::arg("address"),
+           py::arg("nbytes"), py::arg("timeout"),
+           "Copy `nbytes` at host `address` into the ring as one message; a status.")
+      .def("next", &ShmLink::next, py::arg("channel"), py::arg("timeout"),
+           "Wait for the next message: (status, tag, nbytes).")
+      .def("read", &ShmLink::read, py::arg("channel"), py::arg("address"), py::arg("timeout"),
+           "Copy the message `next` announced to host `address`; a status.")
+      .def("abort", &ShmLink::abort, py::arg("reason"),
+           "Mark every channel aborted; peers waiting on one get status 1.")
+      .def("peer_reason", &ShmLink::peer_reason, py::arg("channel"))
+      .def("capacity", &ShmLink::capacity, py::arg("channel"))
+      .def("close", &ShmLink::close, "Unmap every channel.")
+      .def_property_readonly("staged", &ShmLink::staged)
+      .def_property_readonly("staged_total", &ShmLink::staged_total)
+      .def("__len__", &ShmLink::channels);
 
   m.def("_copy_regions", &copy_regions, py::arg("dst"), py::arg("srcs"), py::arg("offsets"),
         py::arg("sizes"),

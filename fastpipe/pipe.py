@@ -123,6 +123,16 @@ class Pipe(nn.Module):
             (``register_hook``, ``register_post_accumulate_grad_hook``) and
             Linears in other forms (weights used twice, ``alpha``/``beta``
             != 1, mixed dtypes under autocast) keep autograd's path.
+        shm: distributed mode on one host: move messages through rings in
+            shared memory instead of gloo's loopback sockets (each gloo
+            message wakes two threads; on the 2-core benchmark machine a
+            narrow pipeline's step went from ... to ...). ``None`` (default):
+            when the group is gloo, the devices CPUs, every rank on this host
+            and ``overlap`` off; ``False`` (or ``FASTPIPE_SHM=0``): always
+            torch.distributed's P2P; ``True``: required (ValueError saying
+            why not). ``pipe.shm`` tells which was taken. The group still
+            carries the set-up, the loss broadcast and barriers. See
+            ``fastpipe/runtime/shm.py``.
 
     ``balance="auto"`` balances measured layer times (``balance_by_time``) on
     the first microbatch of the first ``step``: the model is split then, on
@@ -151,9 +161,12 @@ class Pipe(nn.Module):
         grad_wire_dtype: torch.dtype | None = None,
         plan=None,
         fused_wgrad: bool = False,
+        shm: bool | None = None,
     ) -> None:
         super().__init__()
         _check_model(model)
+        if shm is not None and not isinstance(shm, bool):
+            raise TypeError(f"shm must be a bool or None, got {type(shm).__name__} ({shm!r})")
         if not isinstance(fused_wgrad, bool):
             raise TypeError(f"fused_wgrad must be a bool, got {type(fused_wgrad).__name__} "
                             f"({fused_wgrad!r})")
@@ -218,13 +231,20 @@ class Pipe(nn.Module):
         self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
         self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
+        if shm is None and os.environ.get("FASTPIPE_SHM", "1") == "0":
+            shm = False
+        if shm and not self.distributed:
+            raise ValueError("shm=True applies to distributed mode (ranks in separate processes); "
+                             "local-mode ranks share one process and hand tensors over directly")
         if self.distributed:
-            self._check_ranks_agree(balance, recompute)
+            self._check_ranks_agree(balance, recompute, shm)
+        self._shm = self._connect_shm(shm) if self.distributed else None
+        self.shm = self._shm is not None
         # Messages up and down the ranks on separate groups (see flow_groups).
-        split = self.distributed and dist.get_backend(group) in ("gloo", "nccl")
+        split = self.distributed and not self.shm and dist.get_backend(group) in ("gloo", "nccl")
         self._p2p_groups = flow_groups(group) if split else {}
         self._late_groups = late_groups(group) if self._exact_messages else {}
-        self._dist_transport: DistTransport | None = None
+        self._dist_transport = None  # DistTransport or ShmTransport, made at the first step
         self._recording: list | None = None  # set by step_with_timeline
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
 
@@ -249,7 +269,30 @@ class Pipe(nn.Module):
         self._stages = self._build_stages()
         log.info("pipe: balance by time %s", self.balance)
 
-    def _check_ranks_agree(self, balance, recompute: str) -> None:
+    def _connect_shm(self, shm: bool | None):
+        """The shared-memory rings of a same-host CPU pipeline (``runtime/shm.py``), or None."""
+        if shm is False:
+            return None
+        if self._nccl:
+            if shm:
+                raise ValueError("Pipe(shm=True) needs a gloo group with CPU devices; this group "
+                                 "is NCCL, which has its own shared-memory transport")
+            return None
+        from fastpipe.runtime.shm import connect, neighbours
+
+        why_not = None
+        if dist.get_backend(self.group) != "gloo":
+            why_not = f"the group's backend is {dist.get_backend(self.group)}, not gloo"
+        elif self.devices[self.rank].type != "cpu":
+            why_not = f"its device is {self.devices[self.rank]}, not a CPU"
+        elif self._exact_messages:
+            why_not = "exact messages are on (FASTPIPE_EXACT_MESSAGES=1)"
+        elif self.overlap:
+            why_not = "overlap=True runs transfers on lanes; shared memory runs them inline"
+        peers = neighbours(self.schedule.stage_to_rank, self.rank)
+        return connect(self.group, self.rank, self.schedule.ranks, peers, why_not, required=shm is True)
+
+    def _check_ranks_agree(self, balance, recompute: str, shm: bool | None = None) -> None:
         """One small collective: every rank must have built the same pipeline.
 
         Raises (on every rank):
@@ -262,6 +305,7 @@ class Pipe(nn.Module):
             "checkpoint": self.checkpoint, "recompute": recompute,
             "wire_dtype": str(self._wire["F"]), "grad_wire_dtype": str(self._wire["B"]),
             "exact messages": self._exact_messages,  # tags or order: both ends must agree
+            "shm": shm,  # the rings are set up collectively: every rank must take part
         }
         everyone: list = [None] * self.schedule.ranks
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -325,6 +369,14 @@ class Pipe(nn.Module):
         return self._ring
 
     def _transport(self, rank: int, mailbox: Mailbox | None):
+        if self._shm is not None:
+            if self._dist_transport is None:
+                from fastpipe.runtime.shm import ShmTransport
+
+                link, writers, readers = self._shm
+                self._dist_transport = ShmTransport(link, writers, readers, self.devices[rank],
+                                                    self.schedule.stages, self.timeout, self._wire)
+            return self._dist_transport
         if self.distributed:
             lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
             if self._dist_transport is not None:  # kept: both ends learnt the same sizes

@@ -16,6 +16,7 @@ SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 
 def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> None:
     from fastpipe import Pipe
+    from fastpipe.runtime import shm as shm_mod
     from fastpipe.runtime.transport import _FLOW_GROUPS
     from tests import models
 
@@ -23,6 +24,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     results = []
     counts = _count_p2p()
+    capacity = shm_mod.CAPACITY
     pairs = None
     try:
         for case in cases:
@@ -40,12 +42,14 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             model = getattr(models, case["model"])()
             # NCCL's message rules (exact sizes, order not tags), on gloo; inline only.
             os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if case.get("exact") else "0"
+            shm_mod.CAPACITY = case.get("shm_capacity", capacity)
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"], group=group,
                         balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]),
                         timeout=60, overlap=case.get("overlap", not case.get("exact")),
                         checkpoint=case.get("checkpoint", "never"),
                         wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"),
-                        fused_wgrad=case.get("fused", False))
+                        fused_wgrad=case.get("fused", False), shm=case.get("shm", False))
+            assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
             losses, outs, rings, p2p = [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:
@@ -60,7 +64,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
-                            "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES)})
+                            "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
+                            "staged": pipe._shm[0].staged_total if pipe.shm else 0})
         torch.save({"ok": results}, out_path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out_path)

@@ -70,11 +70,14 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
     started = time.monotonic()
     result: dict = {"losses": []}
     try:
-        kwargs = dict(chunks=4, schedule="1f1b", balance=[2, 3], timeout=case["timeout"])
+        kwargs = dict(chunks=4, schedule="1f1b", balance=[2, 3], timeout=case["timeout"],
+                      shm=case.get("shm"))
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
         os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"
         pipe = Pipe(_model(case, rank), **kwargs)
+        if case.get("shm") is not None:
+            assert pipe.shm == case["shm"]
         x = torch.randn(8, 5, dtype=torch.float64)
         y = torch.randn(8, 3, dtype=torch.float64)
         if case["fault"] == "nan":

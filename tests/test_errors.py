@@ -52,6 +52,8 @@ CONSTRUCTION = [
     ("devices-string", {"devices": "cpu"}, ValueError, "non-empty list, one per pipeline rank, got 'cpu'"),
     ("timeout", {"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
     ("overlap", {"overlap": "yes"}, TypeError, r"overlap must be a bool or None, got str \(.yes.\)"),
+    ("shm-type", {"shm": 1}, TypeError, r"shm must be a bool or None, got int \(1\)"),
+    ("shm-local", {"shm": True}, ValueError, r"shm=True applies to distributed mode"),
     ("checkpoint", {"checkpoint": "sometimes"}, ValueError, "checkpoint must be one of"),
     ("recompute", {"recompute": "all"}, ValueError, "recompute must be 'none' or 'selective', got 'all'"),
     ("wire-dtype", {"wire_dtype": torch.int8}, ValueError, "wire_dtype must be None or one of"),

@@ -57,12 +57,17 @@ def _failed_fast(res: dict, kind: str, *words: str) -> None:
     assert res["elapsed"] < TIMEOUT, res  # the abort notice beats the timeout
 
 
+# How messages travel: shared-memory rings, gloo with its own sizes, NCCL's rules on gloo.
+TRANSPORTS = {"shm": {"shm": True}, "gloo-sizes": {"shm": False},
+              "exact-sizes": {"shm": False, "exact": True}}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("exact", [False, True], ids=["gloo-sizes", "exact-sizes"])
-def test_forward_error_on_one_rank_fails_both(tmp_path, exact):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_forward_error_on_one_rank_fails_both(tmp_path, transport):
     """At step 1 the capacities are known: exact abort notices take the posted size."""
-    (r0, r1), codes = _run({"fault": "forward", "rank": 1, "stage": 1, "at": 1, "exact": exact},
-                           tmp_path)
+    (r0, r1), codes = _run({"fault": "forward", "rank": 1, "stage": 1, "at": 1,
+                            **TRANSPORTS[transport]}, tmp_path)
     _failed_fast(r1, "ValueError", "boom in forward")
     _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "boom in forward")
     assert len(r0["losses"]) == len(r1["losses"]) == 1  # step 0 went through
@@ -70,18 +75,20 @@ def test_forward_error_on_one_rank_fails_both(tmp_path, exact):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("exact", [False, True], ids=["gloo-sizes", "exact-sizes"])
-def test_backward_error_on_the_other_rank_fails_both(tmp_path, exact):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_backward_error_on_the_other_rank_fails_both(tmp_path, transport):
     """With exact messages (NCCL's rule) the abort notices are padded too."""
-    (r0, r1), _ = _run({"fault": "backward", "rank": 0, "stage": 0, "at": 0, "exact": exact},
-                       tmp_path)
+    (r0, r1), _ = _run({"fault": "backward", "rank": 0, "stage": 0, "at": 0,
+                        **TRANSPORTS[transport]}, tmp_path)
     _failed_fast(r0, "RuntimeError", "boom in backward")
     _failed_fast(r1, "PeerError", "pipeline rank 0 failed", "boom in backward")
 
 
 @pytest.mark.timeout(120)
-def test_killed_rank_is_named_by_its_peer(tmp_path):
-    (r0, r1), codes = _run({"fault": "kill", "rank": 1, "stage": 1, "at": 1}, tmp_path)
+@pytest.mark.parametrize("transport", ["shm", "gloo-sizes"])
+def test_killed_rank_is_named_by_its_peer(tmp_path, transport):
+    (r0, r1), codes = _run({"fault": "kill", "rank": 1, "stage": 1, "at": 1,
+                            **TRANSPORTS[transport]}, tmp_path)
     assert r1 is None and codes[1] == -9
     assert r0 is not None and not r0["ok"]
     assert r0["type"] in ("PeerError", "TimeoutError"), r0["trace"]
@@ -100,7 +107,7 @@ def test_ranks_that_disagree_on_exact_messages_fail_at_construction(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting,values", [("chunks", (4, 2)), ("schedule", ("1f1b", "gpipe")),
-                                            ("balance", ([2, 3], [3, 2]))])
+                                            ("balance", ([2, 3], [3, 2])), ("shm", (True, False))])
 def test_ranks_that_disagree_fail_at_construction(tmp_path, setting, values):
     per_rank = {r: {setting: v} for r, v in enumerate(values)}
     (r0, r1), _ = _run({"fault": "none", "per_rank": per_rank}, tmp_path)
@@ -108,6 +115,14 @@ def test_ranks_that_disagree_fail_at_construction(tmp_path, setting, values):
         assert not res["ok"] and res["type"] == "ValueError", res
         assert f"disagree on {setting}" in res["message"] and "rank 1" in res["message"]
         assert res["losses"] == []  # before any step
+
+
+@pytest.mark.timeout(120)
+def test_shared_memory_required_but_refused_on_one_rank_fails_every_rank(tmp_path):
+    (r0, r1), _ = _run({"fault": "none", "shm": True, "per_rank": {1: {"overlap": True}}}, tmp_path)
+    for res in (r0, r1):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert "cannot use shared memory: rank 1: overlap=True" in res["message"], res["message"]
 
 
 @pytest.mark.timeout(120)

@@ -85,7 +85,8 @@ def _verify(cases: list[dict], results: list[list[dict]]) -> None:
             expected_losses.append(loss)
         for rank_results in results:
             got = rank_results[i]
-            assert got["flow_groups"] == 1  # made once, shared by every Pipe over the group
+            # Made once, shared by every Pipe over the group (and not needed by shm).
+            assert got["flow_groups"] == 1 or case.get("shm") and got["flow_groups"] == 0
             for step, loss in enumerate(got["losses"]):  # every rank gets the loss
                 torch.testing.assert_close(loss, expected_losses[step])
             for name, g in got["grads"].items():
@@ -116,6 +117,28 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("1f1b", model="five_model", balance=[2, 3], steps=2),
         _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2),
     ]
+    _verify(cases, _spawn(2, cases, tmp_path))
+
+
+SHM = {"shm": True, "overlap": False}
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_over_shared_memory(tmp_path):
+    """shm=True: every schedule, a tuple between stages, an embedding first
+    with a new sequence length each step, checkpointing, five tensors and
+    plain values at a boundary, fused weight gradients; then rings smaller
+    than one message, so every message streams through its ring while both
+    ranks send at once (activations up, gradients down)."""
+    cases = [_case(s, **SHM) for s in names()]
+    cases += [
+        _case("zbv", model="tuple_model", balance=[1, 2, 1, 2], **SHM),
+        _case("zb-h1", model="embedding_model", chunks=3, steps=2, **SHM),
+        _case("dualpipev", model="embedding_model", steps=2, checkpoint="always", **SHM),
+        _case("1f1b", model="five_model", balance=[2, 3], steps=2, **SHM),
+        _case("zb-h2", fused=True, **SHM),
+    ]
+    cases += [_case(s, steps=2, shm_capacity=64, **SHM) for s in ("1f1b", "zbv", "gpipe")]
     _verify(cases, _spawn(2, cases, tmp_path))
 
 
@@ -181,7 +204,14 @@ def test_four_ranks_subset(tmp_path):
     post in their senders' order, not their own."""
     cases = [_case(s, model="mlp_deep", chunks=8) for s in ("1f1b", "interleaved-1f1b", "zb-h2", "zbv")]
     cases += [_case(s, model="mlp_deep", chunks=8, exact=True, steps=2) for s in ("zbv", "dualpipev")]
-    _verify(cases, _spawn(4, cases, tmp_path))
+    # Shared memory: the middle ranks read two rings and stage one while they
+    # wait on the other (rings of 64 bytes: every message streams).
+    cases += [_case(s, model="mlp_deep", chunks=8, **SHM) for s in ("1f1b", "zbv", "dualpipev")]
+    cases += [_case(s, model="mlp_deep", chunks=8, shm_capacity=64, steps=2, **SHM)
+              for s in ("interleaved-1f1b", "zbv")]
+    results = _spawn(4, cases, tmp_path)
+    _verify(cases, results)
+    assert any(r[i]["staged"] for r in results for i, c in enumerate(cases) if c.get("shm_capacity"))
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,289 @@
+"""Same-host P2P for CPU pipelines: shared-memory rings instead of gloo's sockets.
+
+gloo sends every message through a loopback TCP socket, and each one wakes
+two threads on the receiving side (gloo's loop thread, then the waiting
+one). On the 2-core benchmark machine, with both cores busy computing, an
+isend of one narrow microbatch (2 KB) cost ~90 us and its matching wait
+~60 us: a few milliseconds a step on a pipeline of narrow layers, on the
+critical path. When every rank of the pipeline runs on one host, a message
+can instead be one memcpy into a ring in shared memory that the receiver,
+waiting with the GIL released, sees within a cache miss (``csrc/shm_link.h``).
+
+``Pipe(shm=None)`` (the default) takes this path when it can: a gloo group,
+CPU devices, every pipeline rank on this host (same host name and boot id),
+transfers inline (``overlap`` off) and no exact-size messages; otherwise the
+messages go through torch.distributed as before. ``shm=False`` (or
+``FASTPIPE_SHM=0`` in the environment) always uses torch.distributed;
+``shm=True`` requires the shared-memory path and says why it cannot be had.
+The process group still does everything else: setting up the rings (three
+small collectives when the Pipe is built), the loss broadcast, barriers.
+
+The rings are POSIX shared-memory objects named ``/fastpipe-<token>-<src>-<dst>``,
+one per direction between ranks that exchange messages, ``CAPACITY`` bytes
+each (touched only as far as messages fill them). Each is created by its
+reader and unlinked as soon as both ends have mapped it, so a crash leaves
+nothing behind in ``/dev/shm``.
+
+The message format is DistTransport's (prefix, head, packed data, the same
+wire dtypes); there is no size protocol, since a ring message carries its
+length. Failures keep the torch.distributed path's contract: a failing rank
+marks its rings aborted with its reason, so a peer waiting on one fails at
+once with a PeerError naming it; a peer process that dies is noticed by its
+pid within ~20 ms; every wait ends at ``Pipe(timeout=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fastpipe._ext import native
+from fastpipe._microbatch import Spec, needs_grad
+from fastpipe.runtime.buffers import BufferRing
+from fastpipe.runtime.packing import Layout, pack_into
+from fastpipe.runtime.transport import (
+    Key, Payload, PeerError, _describe, _prefixed, _timeout_message, encode_head, read_head,
+    received, write_head,
+)
+from fastpipe.schedules import Action
+
+CAPACITY = 8 << 20  # ring bytes per direction between two ranks
+_OK, _ABORTED, _TIMEOUT, _GONE = 0, 1, 2, 3
+
+
+def _host() -> tuple[str, str] | None:
+    """(host name, boot id): equal on two processes of one running host; None off Linux."""
+    if not sys.platform.startswith("linux") or not hasattr(native(), "ShmLink"):
+        return None
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        return None
+    return socket.gethostname(), boot
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def neighbours(stage_to_rank: Sequence[int], rank: int) -> set[int]:
+    """The ranks ``rank`` exchanges messages with: owners of adjacent stages."""
+    out = set()
+    for s in range(len(stage_to_rank) - 1):
+        a, b = stage_to_rank[s], stage_to_rank[s + 1]
+        if a != b and rank in (a, b):
+            out.add(b if a == rank else a)
+    return out
+
+
+def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Iterable[int],
+            why_not: str | None, required: bool) -> tuple[object, dict[int, int], dict[int, int]] | None:
+    """Sets up this rank's rings to and from ``peers``, collectively over ``group``.
+
+    Args:
+        rank, ranks: this rank and the pipeline's size (the group's).
+        why_not: a local reason this rank cannot use shared memory, or None.
+        required: raise (on every rank) instead of falling back.
+
+    Returns:
+        (link, writer channel by peer, reader channel by peer), or None when
+        the pipeline uses torch.distributed's P2P instead; every rank gets
+        the same answer.
+
+    Raises:
+        ValueError: ``required`` and some rank cannot take this path.
+    """
+    peers = sorted(set(peers))
+    mine = {"host": _host(), "why_not": why_not, "token": os.urandom(6).hex()}
+    everyone: list = [None] * ranks
+    dist.all_gather_object(everyone, mine, group=group)
+    reason = _refusal(everyone)
+    if reason is not None:
+        if required:
+            raise ValueError(f"Pipe(shm=True) cannot use shared memory: {reason}")
+        return None
+    token = everyone[0]["token"]
+    name = lambda src, dst: f"/fastpipe-{token}-{src}-{dst}"  # noqa: E731
+    spin = 1e-3 if ranks <= _cores() else 0.0
+    link = native().ShmLink(spin)
+    created: list[str] = []
+    writers: dict[int, int] = {}
+    readers: dict[int, int] = {}
+    error = None
+    try:  # 1. every reader makes its rings
+        for src in peers:
+            readers[src] = link.open(name(src, rank), True, False, CAPACITY)
+            created.append(name(src, rank))
+    except (OSError, ValueError) as exc:
+        error = f"rank {rank}: {exc}"
+    error = _first_error(error, group, ranks)
+    if error is None:
+        try:  # 2. every writer maps them
+            for dst in peers:
+                writers[dst] = link.open(name(rank, dst), False, True, 0)
+        except (OSError, ValueError) as exc:
+            error = f"rank {rank}: {exc}"
+        error = _first_error(error, group, ranks)
+    for n in created:  # 3. both ends are mapped (or given up): names go
+        try:
+            native().ShmLink.unlink(n)
+        except OSError:
+            pass
+    if error is not None:
+        link.close()
+        if required:
+            raise ValueError(f"Pipe(shm=True) cannot use shared memory: {error}")
+        return None
+    return link, writers, readers
+
+
+def _refusal(everyone: list[dict]) -> str | None:
+    for r, info in enumerate(everyone):
+        if info["why_not"] is not None:
+            return f"rank {r}: {info['why_not']}"
+        if info["host"] is None:
+            return f"rank {r} is not on Linux with POSIX shared memory"
+    hosts = {info["host"] for info in everyone}
+    if len(hosts) > 1:
+        return "the pipeline's ranks run on more than one host"
+    return None
+
+
+def _first_error(error: str | None, group, ranks: int) -> str | None:
+    everyone: list = [None] * ranks
+    dist.all_gather_object(everyone, error, group=group)
+    return next((e for e in everyone if e is not None), None)
+
+
+class _ShmRecv:
+    """A pending receive: ``wait`` takes the message (or one before it) off the ring."""
+
+    def __init__(self, transport: ShmTransport, src: int, key: Key):
+        self.transport, self.src, self.key = transport, src, key
+        self._slot: tuple[BufferRing, int] | None = None
+
+    def wait(self) -> Payload:
+        tensors, spec, self._slot = self.transport._take(self.src, self.key)
+        return tensors, spec
+
+    def release(self) -> None:
+        """The stage is done with the tensors (views into the buffer): reuse it."""
+        if self._slot is not None:
+            ring, slot = self._slot
+            self._slot = None
+            ring.put(slot)
+
+
+class ShmTransport:
+    """One rank of a same-host CPU pipeline: a message is a memcpy into a shared ring.
+
+    Sends are complete when ``send`` returns (the data is in the ring, or the
+    call waited for the reader to make room). A receive takes messages off
+    its sender's ring in the sender's order; one that arrives before its
+    consumer asks (another order, as zbv's) waits in ``_arrived``.
+    """
+
+    posts_ahead = False  # nothing to post: messages land in the ring by themselves
+
+    def __init__(self, link, writers: dict[int, int], readers: dict[int, int], device: torch.device,
+                 stages: int, timeout: float, wire: dict | None = None) -> None:
+        self.link, self.writers, self.readers = link, writers, readers
+        self.device, self.stages, self.timeout = device, stages, timeout
+        self.wire = wire or {}
+        self._send_buf = torch.empty(0, dtype=torch.uint8)
+        self._rings = {src: BufferRing(1, torch.device("cpu"), growable=True, timeout=timeout)
+                       for src in readers}
+        self._arrived: dict[int, dict[int, tuple]] = {src: {} for src in readers}
+
+    def tag(self, key: Key) -> int:
+        direction, stage, mb = key
+        return (mb * self.stages + stage) * 2 + (direction == "B")
+
+    def begin(self, actions: Sequence[Action]) -> None:
+        for arrived in self._arrived.values():
+            for _, _, held in arrived.values():
+                if held is not None:
+                    held[0].put(held[1])
+            arrived.clear()
+
+    def send(self, tensors: list[torch.Tensor], spec: Spec, dst: int, key: Key) -> None:
+        layout = Layout.plan(tensors, self.wire.get(key[0]))
+        head = encode_head(layout, spec, [needs_grad(t) for t in tensors])
+        start = _prefixed(head)
+        total = start + layout.nbytes
+        if self._send_buf.numel() < total:
+            self._send_buf = torch.empty(max(total, 2 * self._send_buf.numel()), dtype=torch.uint8)
+        buf = self._send_buf[:total]
+        write_head(buf, head)
+        pack_into(buf[start:], tensors, layout)
+        status = self.link.send(self.writers[dst], self.tag(key), buf.data_ptr(), total, self.timeout)
+        if status != _OK:
+            raise self._error(status, dst, self.writers[dst],
+                              f"room in the ring to rank {dst} for {_describe(key)}")
+
+    def recv(self, src: int, key: Key) -> _ShmRecv:
+        return _ShmRecv(self, src, key)
+
+    def _take(self, src: int, key: Key):
+        """(tensors, spec, slot held or None) of ``key``, from ``src``'s ring."""
+        want = self.tag(key)
+        arrived = self._arrived[src]
+        got = arrived.pop(want, None)
+        ch = self.readers[src]
+        while got is None:
+            status, tag, nbytes = self.link.next(ch, self.timeout)
+            if status != _OK:
+                raise self._error(status, src, ch, f"{_describe(key)} from rank {src}")
+            ring = self._rings[src]
+            slot, buf = ring.get(nbytes)
+            status = self.link.read(ch, buf.data_ptr(), self.timeout)
+            if status != _OK:
+                ring.put(slot)
+                raise self._error(status, src, ch, f"{_describe(key)} from rank {src}")
+            start, _, layout, spec, grads = read_head(buf)
+            tensors = received(buf, start, layout, grads)
+            held = (ring, slot)
+            if all(s.wire is not None for s in layout.slots):  # cast copies: no view left
+                ring.put(slot)
+                held = None
+            if tag == want:
+                got = (tensors, spec, held)
+            else:
+                arrived[tag] = (tensors, spec, held)
+        return got
+
+    def _error(self, status: int, peer: int, ch: int, what: str) -> BaseException:
+        if status == _ABORTED:
+            reason = self.link.peer_reason(ch)
+            return PeerError(f"pipeline rank {peer} failed: {reason}")
+        if status == _GONE:
+            return PeerError(f"pipeline rank {peer} is gone (its process died) while waiting "
+                             f"for {what}")
+        return TimeoutError(_timeout_message(what, self.timeout, peer))
+
+    def finish(self) -> None:
+        """Sends are done when they return; messages taken ahead must all have been used."""
+        left = [(src, tag) for src, arrived in self._arrived.items() for tag in arrived]
+        if left:
+            raise AssertionError(f"messages nobody took this step: {left}")
+
+    def fail(self, exc: BaseException, unsent=()) -> None:
+        """Marks every ring aborted with the reason: peers waiting on one fail at once.
+
+        After a failure the rings hold stale messages: the Pipe refuses further steps.
+        """
+        reason = str(exc) if isinstance(exc, PeerError) else f"{type(exc).__name__}: {exc}"
+        self.link.abort(reason)
+        self.begin(())
+
+    def rings(self) -> dict:
+        return {"recv": dict(self._rings), "send": {}}
