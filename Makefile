@@ -52,8 +52,10 @@ test: $(VENV)/.installed-test
 # -fsanitize=thread (make tsan) or -fsanitize=address (make asan) into
 # build/<name>, next to a copy of the Python package and the tests, which then
 # load it (conftest checks that they do). Any report makes the run fail.
-SAN_SOURCES := csrc/accumulate.cpp csrc/event.cpp csrc/host_ring.cpp csrc/mailbox.cpp csrc/slot_ring.cpp csrc/module.cpp
-SAN_TESTS := tests/test_host_ring.py tests/test_buffer_ring.py tests/test_mailbox.py tests/test_fused_wgrad.py
+SAN_SOURCES := csrc/accumulate.cpp csrc/event.cpp csrc/host_ring.cpp csrc/mailbox.cpp csrc/shm_link.cpp \
+               csrc/slot_ring.cpp csrc/module.cpp
+SAN_TESTS := tests/test_host_ring.py tests/test_buffer_ring.py tests/test_mailbox.py tests/test_fused_wgrad.py \
+             tests/test_shm_link.py
 CXX ?= g++
 TSAN_ENV := TSAN_OPTIONS="halt_on_error=1 exitcode=66"
 # CPython frees little at exit by design: leak checks would only report it.

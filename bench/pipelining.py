@@ -5,11 +5,13 @@ both libraries run in the same processes, in turns (a few steps of each,
 round after round, so a slow spell of the machine falls on all), and the
 report gives each one's median step time, their ratio, and efficiency =
 (sequential fwd+bwd of all microbatches ÷ ranks) / step time. fastpipe runs
-twice: with its default on CPUs (transfers on the compute thread,
-``overlap=False``) and with its communication lanes (``overlap=True``);
-"lanes/default" is what the lanes change. First each rank runs its share of
-the layers alone, both at once, with no messages: the machine's ceiling for
-any pipeline on these ranks.
+three times: with its default on CPUs (transfers inline on the compute
+thread, through shared-memory rings since both ranks share this host:
+``Pipe(shm=None)``), with the same inline transfers through gloo
+(``shm=False``), and with its communication lanes over gloo
+(``overlap=True``); "gloo/default" and "lanes/default" are what those
+change. First each rank runs its share of the layers alone, both at once,
+with no messages: the machine's ceiling for any pipeline on these ranks.
 
 With ``--fused-wgrad`` fastpipe also runs with ``Pipe(fused_wgrad=True)``
 (each Linear's weight gradient accumulated by one GEMM into ``.grad``): its
@@ -139,9 +141,10 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats, f
         for schedule in schedules:
             spr = 2 if schedule in TWO_STAGES else None
             pipes = [Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
-                          stages_per_rank=spr, overlap=overlap) for overlap in (False, True)]
-            runners = {"ours": functools.partial(pipes[0].step, x, y, loss_fn),
-                       "lanes": functools.partial(pipes[1].step, x, y, loss_fn)}
+                          stages_per_rank=spr, overlap=overlap, shm=shm)
+                     for overlap, shm in ((False, None), (False, False), (True, None))]
+            runners = {name: functools.partial(pipe.step, x, y, loss_fn)
+                       for name, pipe in zip(("ours", "gloo", "lanes"), pipes)}
             if fused:
                 pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
                                   stages_per_rank=spr, fused_wgrad=True))
@@ -157,8 +160,8 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats, f
             times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
             for pipe in pipes:
                 pipe.close()
-            rows[schedule] = (times["ours"], times["lanes"], times.get("theirs", theirs),
-                              times.get("fused"))
+            rows[schedule] = (times["ours"], times["gloo"], times["lanes"],
+                              times.get("theirs", theirs), times.get("fused"))
     finally:
         dist.destroy_process_group()
     queue.put((rank, rows))
@@ -205,21 +208,21 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: i
         print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
               "the baseline of 'eff fused'")
     fused_head = f"{'fused ms':>10}{'torch/fused':>13}{'eff fused':>11}" if fused else ""
-    print(f"  {'schedule':<18}{'fastpipe ms':>12}{'lanes ms':>10}{'torch ms':>10}"
-          f"{'torch/fastpipe':>16}{'lanes/default':>15}{'eff fastpipe':>14}{'eff torch':>11}"
-          f"{fused_head}")
-    for schedule, (ours, lanes, theirs, ours_fused) in rows.items():
-        head = f"  {schedule:<18}{ours * 1e3:>12.1f}{lanes * 1e3:>10.1f}"
+    print(f"  {'schedule':<18}{'fastpipe ms':>12}{'gloo ms':>9}{'lanes ms':>10}{'torch ms':>10}"
+          f"{'torch/fastpipe':>16}{'gloo/default':>14}{'lanes/default':>15}{'eff fastpipe':>14}"
+          f"{'eff torch':>11}{fused_head}")
+    for schedule, (ours, gloo, lanes, theirs, ours_fused) in rows.items():
+        head = f"  {schedule:<18}{ours * 1e3:>12.1f}{gloo * 1e3:>9.1f}{lanes * 1e3:>10.1f}"
         tail = ""
         if ours_fused is not None:
             vs = f"{theirs / ours_fused:>13.2f}" if not isinstance(theirs, str) else f"{'':>13}"
             tail = f"{ours_fused * 1e3:>10.1f}{vs}{seq_fused / ranks / ours_fused:>11.2f}"
         if isinstance(theirs, str):
-            print(f"{head}{theirs:>10}{'':>16}{lanes / ours:>15.2f}{ideal / ours:>14.2f}{'':>11}"
-                  f"{tail}")
+            print(f"{head}{theirs:>10}{'':>16}{gloo / ours:>14.2f}{lanes / ours:>15.2f}"
+                  f"{ideal / ours:>14.2f}{'':>11}{tail}")
             continue
-        print(f"{head}{theirs * 1e3:>10.1f}{theirs / ours:>16.2f}{lanes / ours:>15.2f}"
-              f"{ideal / ours:>14.2f}{ideal / theirs:>11.2f}{tail}")
+        print(f"{head}{theirs * 1e3:>10.1f}{theirs / ours:>16.2f}{gloo / ours:>14.2f}"
+              f"{lanes / ours:>15.2f}{ideal / ours:>14.2f}{ideal / theirs:>11.2f}{tail}")
 
 
 def main(argv=None) -> int:
