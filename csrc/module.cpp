@@ -150,6 +150,11 @@ PYBIND11_MODULE(_C, m) {
       .def("send", &ShmLink::send, py::arg("channel"), py::arg("tag"), py::arg("address"),
            py::arg("nbytes"), py::arg("timeout"),
            "Copy `nbytes` at host `address` into the ring as one message; a status.")
+      .def("send_regions", &ShmLink::send_regions, py::arg("channel"), py::arg("tag"),
+           py::arg("total"), py::arg("offsets"), py::arg("addrs"), py::arg("sizes"),
+           py::arg("timeout"),
+           "One message of `total` bytes gathered from host regions placed at `offsets` "
+           "(gaps are zeros); a status.")
       .def("next", &ShmLink::next, py::arg("channel"), py::arg("timeout"),
            "Wait for the next message: (status, tag, nbytes).")
       .def("read", &ShmLink::read, py::arg("channel"), py::arg("address"), py::arg("timeout"),

@@ -311,42 +311,67 @@ int ShmLink::wait(Channel& c, int ch, bool for_data, std::int64_t deadline, Read
   }
 }
 
-int ShmLink::send(int ch, std::uint64_t tag, std::uintptr_t src, std::uint64_t nbytes,
-                  double timeout) {
-  Channel& c = at(ch, true);
-  const std::uint64_t frame[2] = {tag, nbytes};
-  const std::uint8_t zeros[8] = {};
-  const std::uint8_t* parts[3] = {reinterpret_cast<const std::uint8_t*>(frame),
-                                  reinterpret_cast<const std::uint8_t*>(src), zeros};
-  const std::uint64_t sizes[3] = {kFrame, nbytes, padded(nbytes) - nbytes};
-  py::gil_scoped_release nogil;
-  const std::int64_t deadline = deadline_after(timeout);
-  if (c.h->aborted.load(std::memory_order_acquire) & kReaderAborted) return kAborted;
+int ShmLink::put(Channel& c, int ch, const std::uint8_t* src, std::uint64_t n,
+                 std::int64_t deadline) {
+  static const std::uint8_t zeros[256] = {};
   auto space = [&c] { return c.cap - (c.pos - c.h->consumed.load(std::memory_order_acquire)); };
-  for (int p = 0; p < 3; ++p) {
-    std::uint64_t done = 0;
-    while (done < sizes[p]) {
-      std::uint64_t free = space();
-      if (free == 0) {
-        if (int s = wait(c, ch, false, deadline, [&] { return space() > 0; })) return s;
-        free = space();
-      }
-      const std::uint64_t n = std::min(free, sizes[p] - done);
-      const std::uint64_t at = c.pos % c.cap;
-      const std::uint64_t first = std::min(n, c.cap - at);
-      std::memcpy(c.data + at, parts[p] + done, first);
-      if (first < n) std::memcpy(c.data, parts[p] + done + first, n - first);
-      c.pos += n;
-      done += n;
-      c.h->written.store(c.pos, std::memory_order_release);
-      std::atomic_thread_fence(std::memory_order_seq_cst);
-      if (c.h->reader_sleeps.load(std::memory_order_relaxed)) {
-        c.h->data_seq.fetch_add(1, std::memory_order_release);
-        futex(&c.h->data_seq, FUTEX_WAKE, 1, nullptr);
-      }
+  std::uint64_t done = 0;
+  while (done < n) {
+    std::uint64_t free = space();
+    if (free == 0) {
+      if (int s = wait(c, ch, false, deadline, [&] { return space() > 0; })) return s;
+      free = space();
+    }
+    std::uint64_t k = std::min(free, n - done);
+    if (src == nullptr) k = std::min<std::uint64_t>(k, sizeof(zeros));
+    const std::uint8_t* from = src != nullptr ? src + done : zeros;
+    const std::uint64_t at = c.pos % c.cap;
+    const std::uint64_t first = std::min(k, c.cap - at);
+    std::memcpy(c.data + at, from, first);
+    if (first < k) std::memcpy(c.data, from + first, k - first);
+    c.pos += k;
+    done += k;
+    c.h->written.store(c.pos, std::memory_order_release);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (c.h->reader_sleeps.load(std::memory_order_relaxed)) {
+      c.h->data_seq.fetch_add(1, std::memory_order_release);
+      futex(&c.h->data_seq, FUTEX_WAKE, 1, nullptr);
     }
   }
   return kOk;
+}
+
+int ShmLink::send(int ch, std::uint64_t tag, std::uintptr_t src, std::uint64_t nbytes,
+                  double timeout) {
+  return send_regions(ch, tag, nbytes, {0}, {src}, {nbytes}, timeout);
+}
+
+int ShmLink::send_regions(int ch, std::uint64_t tag, std::uint64_t total,
+                          const std::vector<std::uint64_t>& offsets,
+                          const std::vector<std::uintptr_t>& addrs,
+                          const std::vector<std::uint64_t>& sizes, double timeout) {
+  Channel& c = at(ch, true);
+  if (offsets.size() != addrs.size() || offsets.size() != sizes.size())
+    throw py::value_error("offsets, addrs and sizes must have one entry per region");
+  std::uint64_t end = 0;
+  for (std::size_t i = 0; i < offsets.size(); ++i) {
+    if (offsets[i] < end || offsets[i] + sizes[i] > total)
+      throw py::value_error("regions must be ascending, disjoint and within the message");
+    end = offsets[i] + sizes[i];
+  }
+  const std::uint64_t frame[2] = {tag, total};
+  py::gil_scoped_release nogil;
+  const std::int64_t deadline = deadline_after(timeout);
+  if (c.h->aborted.load(std::memory_order_acquire) & kReaderAborted) return kAborted;
+  if (int s = put(c, ch, reinterpret_cast<const std::uint8_t*>(frame), kFrame, deadline)) return s;
+  std::uint64_t pos = 0;
+  for (std::size_t i = 0; i < offsets.size(); ++i) {
+    if (int s = put(c, ch, nullptr, offsets[i] - pos, deadline)) return s;
+    if (int s = put(c, ch, reinterpret_cast<const std::uint8_t*>(addrs[i]), sizes[i], deadline))
+      return s;
+    pos = offsets[i] + sizes[i];
+  }
+  return put(c, ch, nullptr, padded(total) - pos, deadline);
 }
 
 py::tuple ShmLink::next(int ch, double timeout) {

@@ -66,6 +66,13 @@ class ShmLink {
 
   // Writer. Copies `nbytes` from `src` into the ring (GIL released).
   int send(int ch, std::uint64_t tag, std::uintptr_t src, std::uint64_t nbytes, double timeout);
+  // Writer. One message of `total` bytes gathered from host regions: region
+  // i (`sizes[i]` bytes at `addrs[i]`) lands at `offsets[i]` (ascending, not
+  // overlapping); the gaps between them are zeros. Saves packing into a
+  // send buffer first.
+  int send_regions(int ch, std::uint64_t tag, std::uint64_t total,
+                   const std::vector<std::uint64_t>& offsets, const std::vector<std::uintptr_t>& addrs,
+                   const std::vector<std::uint64_t>& sizes, double timeout);
   // Reader. Waits for the next message: (status, tag, length) (GIL released).
   py::tuple next(int ch, double timeout);
   // Reader. Copies the message `next` returned into `dst` (its length).
@@ -119,6 +126,8 @@ class ShmLink {
   int check_peer(Channel& c, std::int64_t now_ns);
   template <class Ready>
   int wait(Channel& c, int ch, bool for_data, std::int64_t deadline_ns, Ready ready);
+  // Writer: appends `n` bytes from `src` (null: zeros) to the ring, waiting for room.
+  int put(Channel& c, int ch, const std::uint8_t* src, std::uint64_t n, std::int64_t deadline);
 
   const double spin_;
   std::vector<Channel> channels_;

@@ -47,12 +47,16 @@ from fastpipe._microbatch import Spec, needs_grad
 from fastpipe.runtime.buffers import BufferRing
 from fastpipe.runtime.packing import Layout, pack_into
 from fastpipe.runtime.transport import (
-    Key, Payload, PeerError, _describe, _prefixed, _timeout_message, encode_head, read_head,
-    received, write_head,
+    Key, Payload, PeerError, _describe, _prefixed, _timeout_message, encode_head, head_block,
+    read_head, received,
 )
 from fastpipe.schedules import Action
 
 CAPACITY = 8 << 20  # ring bytes per direction between two ranks
+
+
+def _CPU_CONTIGUOUS(t: torch.Tensor) -> bool:
+    return t.is_cpu and t.is_contiguous()
 _OK, _ABORTED, _TIMEOUT, _GONE = 0, 1, 2, 3
 
 
@@ -199,7 +203,8 @@ class ShmTransport:
         self.link, self.writers, self.readers = link, writers, readers
         self.device, self.stages, self.timeout = device, stages, timeout
         self.wire = wire or {}
-        self._send_buf = torch.empty(0, dtype=torch.uint8)
+        self._send_buf = torch.empty(0, dtype=torch.uint8)  # packing, when a send needs it
+        self._heads: dict = {}  # stream -> (layout, grads, spec, head block, data offset)
         self._rings = {src: BufferRing(1, torch.device("cpu"), growable=True, timeout=timeout)
                        for src in readers}
         self._arrived: dict[int, dict[int, tuple]] = {src: {} for src in readers}
@@ -217,15 +222,30 @@ class ShmTransport:
 
     def send(self, tensors: list[torch.Tensor], spec: Spec, dst: int, key: Key) -> None:
         layout = Layout.plan(tensors, self.wire.get(key[0]))
-        head = encode_head(layout, spec, [needs_grad(t) for t in tensors])
-        start = _prefixed(head)
+        grads = tuple(map(needs_grad, tensors))
+        # A stream sends the same head every microbatch: encode it once.
+        head = self._heads.get(key[:2])
+        if head is None or head[0] is not layout or head[1] != grads or head[2] != spec:
+            encoded = encode_head(layout, spec, grads)
+            block = head_block(encoded)
+            head = self._heads[key[:2]] = (layout, grads, spec, block, _prefixed(encoded))
+        _, _, _, block, start = head
         total = start + layout.nbytes
-        if self._send_buf.numel() < total:
-            self._send_buf = torch.empty(max(total, 2 * self._send_buf.numel()), dtype=torch.uint8)
-        buf = self._send_buf[:total]
-        write_head(buf, head)
-        pack_into(buf[start:], tensors, layout)
-        status = self.link.send(self.writers[dst], self.tag(key), buf.data_ptr(), total, self.timeout)
+        used, offsets, sizes, plain = layout._regions
+        ch, tag = self.writers[dst], self.tag(key)
+        if plain and all(map(_CPU_CONTIGUOUS, tensors)):
+            # Straight from the tensors into the ring: no send buffer.
+            status = self.link.send_regions(
+                ch, tag, total, [0, *(start + o for o in offsets)],
+                [block.ctypes.data, *(tensors[i].data_ptr() for i in used)],
+                [block.size, *sizes], self.timeout)
+        else:  # casts to a wire dtype, or tensors not laid out plainly: pack first
+            if self._send_buf.numel() < total:
+                self._send_buf = torch.empty(max(total, 2 * self._send_buf.numel()), dtype=torch.uint8)
+            buf = self._send_buf[:total]
+            buf.numpy()[: block.size] = block
+            pack_into(buf[start:], tensors, layout)
+            status = self.link.send(ch, tag, buf.data_ptr(), total, self.timeout)
         if status != _OK:
             raise self._error(status, dst, self.writers[dst],
                               f"room in the ring to rank {dst} for {_describe(key)}")

@@ -433,6 +433,7 @@ def _alive(group: dist.ProcessGroup) -> bool:
 
 
 _PREFIX = 16
+_PREFIX_WORDS = struct.Struct("=qq")  # data offset, flags
 _OVERSIZE = 1
 _ABORT = 2  # the sender failed: the rest of the message is its reason (utf-8)
 _MIN_POST = 256  # bytes of a receive buffer before any size is known (>= any notice)
@@ -469,17 +470,23 @@ _WRITTEN: dict[tuple[bytes, int], np.ndarray] = {}  # (head, flags) -> prefix + 
 _WRITTEN_ON: dict[tuple[bytes, int, torch.device], torch.Tensor] = {}  # the same, on a GPU
 
 
-def write_head(buf: torch.Tensor, head: bytes, flags: int = 0) -> None:
-    """Writes the prefix (data offset, flags) and the head at the start of a
-    buffer, as one copy of bytes made once per head (a boundary sends the
-    same head every microbatch); on a GPU, one device copy of a cached block."""
+def head_block(head: bytes, flags: int = 0) -> np.ndarray:
+    """The prefix (data offset, flags) and the head as one block of bytes,
+    made once per head (a boundary sends the same head every microbatch)."""
     block = _WRITTEN.get((head, flags))
     if block is None:
-        block = np.frombuffer(struct.pack("=qq", _prefixed(head), flags) + head, dtype=np.uint8)
+        block = np.frombuffer(_PREFIX_WORDS.pack(_prefixed(head), flags) + head, dtype=np.uint8)
         if len(_WRITTEN) >= _HEADS_MAX:
             _WRITTEN.clear()
             _WRITTEN_ON.clear()
         _WRITTEN[(head, flags)] = block
+    return block
+
+
+def write_head(buf: torch.Tensor, head: bytes, flags: int = 0) -> None:
+    """Writes ``head_block`` at the start of a buffer: one copy of bytes; on
+    a GPU, one device copy of a cached block."""
+    block = head_block(head, flags)
     if buf.device.type == "cpu":
         buf[: block.size].numpy()[:] = block
         return
@@ -519,11 +526,18 @@ def read_head(buf: torch.Tensor, host: torch.Tensor | None = None
     (``host_bytes``). Decoded heads are cached by their bytes: a boundary
     sends the same head every microbatch, and reusing its Layout keeps the
     Layout's unpack plan."""
-    host = host_bytes(buf) if host is None else host
-    start, flags = host[:_PREFIX].view(torch.int64).tolist()
-    if start > host.numel():  # a head longer than the first bytes read
-        host = host_bytes(buf, start)
-    head = host[_PREFIX:start].numpy().tobytes()
+    if host is None and buf.device.type == "cpu":
+        # Read through numpy: a few torch ops per message cost more than
+        # the whole transfer of a narrow microbatch.
+        data = buf.numpy()
+        start, flags = _PREFIX_WORDS.unpack_from(data, 0)
+        head = data[_PREFIX:start].tobytes()
+    else:
+        host = host_bytes(buf) if host is None else host
+        start, flags = host[:_PREFIX].view(torch.int64).tolist()
+        if start > host.numel():  # a head longer than the first bytes read
+            host = host_bytes(buf, start)
+        head = host[_PREFIX:start].numpy().tobytes()
     decoded = _HEADS.get(head)
     if decoded is None:
         layout, spec, grads = decode_head(head)
