@@ -75,6 +75,7 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
         os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"
+        os.environ.update(case.get("env_by_rank", {}).get(rank, {}))
         pipe = Pipe(_model(case, rank), **kwargs)
         if case.get("shm") is not None:
             assert pipe.shm == case["shm"]

@@ -126,6 +126,19 @@ def test_shared_memory_required_but_refused_on_one_rank_fails_every_rank(tmp_pat
 
 
 @pytest.mark.timeout(120)
+def test_a_bad_ring_size_on_one_rank_fails_every_rank_and_a_good_one_trains(tmp_path):
+    env = {0: {"FASTPIPE_SHM_BYTES": "4096"}, 1: {"FASTPIPE_SHM_BYTES": "lots"}}
+    (r0, r1), _ = _run({"fault": "none", "env_by_rank": env}, tmp_path)
+    for res in (r0, r1):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert "rank 1: FASTPIPE_SHM_BYTES must be a number of bytes, got 'lots'" in res["message"]
+    env = {r: {"FASTPIPE_SHM_BYTES": "200"} for r in (0, 1)}  # smaller than one message
+    (tmp_path / "small").mkdir()
+    (r0, r1), _ = _run({"fault": "none", "shm": True, "env_by_rank": env}, tmp_path / "small")
+    assert r0["ok"] and r1["ok"] and r0["losses"] == r1["losses"]
+
+
+@pytest.mark.timeout(120)
 def test_nan_loss_is_a_value(tmp_path):
     (r0, r1), _ = _run({"fault": "nan"}, tmp_path)
     assert r0["ok"] and r1["ok"]
