@@ -125,8 +125,9 @@ class Pipe(nn.Module):
             != 1, mixed dtypes under autocast) keep autograd's path.
         shm: distributed mode on one host: move messages through rings in
             shared memory instead of gloo's loopback sockets (each gloo
-            message wakes two threads; on the 2-core benchmark machine a
-            narrow pipeline's step went from ... to ...). ``None`` (default):
+            message wakes two threads; on the 2-core benchmark machine the
+            narrow pipeline's GPipe step went from 26.2 to 21.5 ms and its
+            1F1B step from 25.8 to 22.2 ms). ``None`` (default):
             when the group is gloo, the devices CPUs, every rank on this host
             and ``overlap`` off; ``False`` (or ``FASTPIPE_SHM=0``): always
             torch.distributed's P2P; ``True``: required (ValueError saying
