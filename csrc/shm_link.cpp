@@ -123,9 +123,15 @@ int ShmLink::open(const std::string& name, bool create, bool writer, std::uint64
                             std::to_string(capacity));
     }
     len = head + capacity;
-    if (ftruncate(fd, static_cast<off_t>(len)) != 0) {
+    // Reserve the pages now: a tmpfs too small for the ring (Docker's
+    // default /dev/shm is 64 MiB) then fails here, with ENOSPC, instead of
+    // a SIGBUS on the first write past what it holds.
+    int err = ftruncate(fd, static_cast<off_t>(len)) != 0 ? errno
+                                                           : posix_fallocate(fd, 0, static_cast<off_t>(len));
+    if (err != 0) {
       ::close(fd);
       shm_unlink(name.c_str());
+      errno = err;
       throw_os(name);
     }
   } else {

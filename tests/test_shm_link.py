@@ -182,3 +182,16 @@ def test_opening_checks_its_arguments():
         reader.send(r, 1, 0, 0, 1.0)
     with pytest.raises(IndexError):
         reader.next(5, 1.0)
+
+
+def test_a_ring_larger_than_dev_shm_fails_when_it_is_made_and_leaves_no_name():
+    """Its pages are reserved at once: too little room is an OSError now (the
+    Pipe then falls back to gloo), not a SIGBUS at the first write past it."""
+    st = os.statvfs("/dev/shm")
+    size = st.f_blocks * st.f_frsize
+    if size == 0:
+        pytest.skip("/dev/shm has no size limit")
+    name = f"/fastpipe-test-{os.getpid()}-huge"
+    with pytest.raises(OSError):
+        native().ShmLink(0.0).open(name, True, False, size + (1 << 20))
+    assert not os.path.exists("/dev/shm" + name)

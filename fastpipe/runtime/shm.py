@@ -10,7 +10,9 @@ can instead be one memcpy into a ring in shared memory that the receiver,
 waiting with the GIL released, sees within a cache miss (``csrc/shm_link.h``).
 
 ``Pipe(shm=None)`` (the default) takes this path when it can: a gloo group,
-CPU devices, every pipeline rank on this host (same host name and boot id),
+CPU devices, every pipeline rank on this host (same host name, boot id and
+pid namespace; the rings' pages are reserved when they are made, so a
+/dev/shm too small for them falls back to gloo instead of faulting later),
 transfers inline (``overlap`` off) and no exact-size messages; otherwise the
 messages go through torch.distributed as before. ``shm=False`` (or
 ``FASTPIPE_SHM=0`` in the environment) always uses torch.distributed;
@@ -68,16 +70,20 @@ def _CPU_CONTIGUOUS(t: torch.Tensor) -> bool:
 _OK, _ABORTED, _TIMEOUT, _GONE = 0, 1, 2, 3
 
 
-def _host() -> tuple[str, str] | None:
-    """(host name, boot id): equal on two processes of one running host; None off Linux."""
+def _host() -> tuple[str, str, str] | None:
+    """(host name, boot id, pid namespace): equal for processes that can share
+    rings and see each other's pids (a peer's death is noticed by its pid;
+    containers of one pod may share /dev/shm but not their pid namespace);
+    None off Linux."""
     if not sys.platform.startswith("linux") or not hasattr(native(), "ShmLink"):
         return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
+        pids = os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
-    return socket.gethostname(), boot
+    return socket.gethostname(), boot, pids
 
 
 def _cores() -> int:
@@ -173,9 +179,11 @@ def _refusal(everyone: list[dict]) -> str | None:
             return f"rank {r}: {info['why_not']}"
         if info["host"] is None:
             return f"rank {r} is not on Linux with POSIX shared memory"
-    hosts = {info["host"] for info in everyone}
+    hosts = {info["host"][:2] for info in everyone}
     if len(hosts) > 1:
         return "the pipeline's ranks run on more than one host"
+    if len({info["host"] for info in everyone}) > 1:
+        return "the pipeline's ranks run in different pid namespaces"
     return None
 
 
