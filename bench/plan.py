@@ -5,7 +5,8 @@ time (so the profile sees the same two-process contention as the pipeline),
 and measure the gloo latency of a small message. Rank 0 plans over a small
 grid (schedules × chunks, no checkpointing); then every candidate of the
 grid runs for real, in rounds (each round times every candidate over three
-steps; the figure is the median over rounds). The report gives, for the
+steps; the figure is the median over rounds), over gloo (``shm=False``):
+the link figures given to the planner are gloo's. The report gives, for the
 chosen plan, predicted / measured, and the chosen plan's measured time
 against the fastest measured.
 
@@ -108,7 +109,8 @@ def _rank_main(rank, world, init, queue, repeats):
         # of the machine falls on all of them instead of on a few.
         pipes = {(c.schedule, c.chunks): Pipe(
             make_model(width, blocks), chunks=c.chunks, schedule=c.schedule,
-            balance=list(c.balance), stages_per_rank=c.stages_per_rank) for c in result.candidates}
+            balance=list(c.balance), stages_per_rank=c.stages_per_rank, shm=False)
+            for c in result.candidates}
         measured = round_robin_medians(
             {key: functools.partial(pipe.step, x, y, nn.functional.mse_loss) for key, pipe in pipes.items()},
             1, repeats, dist.barrier, per_round=3)
