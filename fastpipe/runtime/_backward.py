@@ -130,9 +130,12 @@ def _graph(roots: list[Node]) -> tuple[dict[Node, list[Node]], list[Node], list[
     order: list[Node] = []
     leaves: list[Node] = []
     # Iterative post-order DFS: stage graphs can be deep (thousands of nodes).
+    # Plain loops, no generators: this runs once per I and B-fused on every
+    # microbatch, and on narrow stages its Python is a third of I.
     stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    push, pop = stack.append, stack.pop
     while stack:
-        node, expanded = stack.pop()
+        node, expanded = pop()
         if expanded:
             order.append(node)
             continue
@@ -142,8 +145,10 @@ def _graph(roots: list[Node]) -> tuple[dict[Node, list[Node]], list[Node], list[
         children[node] = kids
         if type(node) is _ACCUMULATE:
             leaves.append(node)
-        stack.append((node, True))
-        stack.extend((c, False) for c in kids if c not in children)
+        push((node, True))
+        for c in kids:
+            if c not in children:
+                push((c, False))
     return children, order, leaves
 
 
@@ -154,12 +159,18 @@ def _classify(children: dict[Node, list[Node]], order: list[Node], input_nodes: 
     but no input) the edges of the parameters below it."""
     to_input: dict[Node, bool] = {}
     below: dict[Node, list[GradientEdge]] = {}
+    reaches = to_input.get
     for node in order:
         kids = children[node]
-        if node in input_nodes or any(to_input.get(c, False) for c in kids):
-            to_input[node] = True
+        hit = node in input_nodes
+        if not hit:
+            for c in kids:
+                if reaches(c, False):
+                    hit = True
+                    break
+        to_input[node] = hit
+        if hit:
             continue
-        to_input[node] = False
         own = by_node.get(node)
         parts = [below[c] for c in kids if c in below]
         if own is not None:
