@@ -139,7 +139,14 @@ def test_two_ranks_over_shared_memory(tmp_path):
         _case("zb-h2", fused=True, **SHM),
     ]
     cases += [_case(s, steps=2, shm_capacity=64, **SHM) for s in ("1f1b", "zbv", "gpipe")]
-    _verify(cases, _spawn(2, cases, tmp_path))
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for rank_results in results:  # receive buffers: reused from the second step on, none held
+        for case, got in zip(cases, rank_results):
+            assert all(step["held"] == 0 for step in got["rings"]), case["schedule"]
+            if len(got["rings"]) > 1 and case["model"] != "embedding_model":
+                assert got["rings"][-1]["recv_allocations"] == got["rings"][0]["recv_allocations"], (
+                    case["schedule"], case["model"], case.get("shm_capacity"), got["rings"])
 
 
 @pytest.mark.timeout(300)
@@ -221,6 +228,7 @@ def test_two_pipelines_on_subgroups(tmp_path):
     and a pipeline's set-up (the flow groups included) involves only its
     own ranks."""
     cases = [_case(s, pairs=True, steps=2) for s in ("1f1b", "zbv")]
+    cases.append(_case("zbv", pairs=True, steps=2, **SHM))  # rings per pipeline, by their own ranks
     results = _spawn(4, cases, tmp_path)
     _verify(cases, results[:2])
     _verify(cases, results[2:])

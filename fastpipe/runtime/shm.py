@@ -230,13 +230,26 @@ class ShmTransport:
         self.wire = wire or {}
         self._send_buf = torch.empty(0, dtype=torch.uint8)  # packing, when a send needs it
         self._heads: dict = {}  # stream -> (layout, grads, spec, head block, data offset)
-        self._rings = {src: BufferRing(1, torch.device("cpu"), growable=True, timeout=timeout)
-                       for src in readers}
+        # Receive buffers by stream (direction, stage): one stream's messages
+        # have one size, so a slot's buffer fits whatever comes next on it.
+        self._rings: dict[tuple[str, int], BufferRing] = {}
+        self._largest: dict[tuple[str, int], int] = {}  # stream -> bytes of its largest message
         self._arrived: dict[int, dict[int, tuple]] = {src: {} for src in readers}
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
         return (mb * self.stages + stage) * 2 + (direction == "B")
+
+    def _ring(self, tag: int, nbytes: int) -> tuple[BufferRing, int]:
+        """The receive ring of the message's stream, and the stream's largest message."""
+        stream = ("B" if tag & 1 else "F", (tag >> 1) % self.stages)
+        ring = self._rings.get(stream)
+        if ring is None:
+            ring = self._rings[stream] = BufferRing(1, torch.device("cpu"), growable=True,
+                                                    timeout=self.timeout)
+        largest = max(nbytes, self._largest.get(stream, 0))
+        self._largest[stream] = largest
+        return ring, largest
 
     def begin(self, actions: Sequence[Action]) -> None:
         for arrived in self._arrived.values():
@@ -288,8 +301,8 @@ class ShmTransport:
             status, tag, nbytes = self.link.next(ch, self.timeout)
             if status != _OK:
                 raise self._error(status, src, ch, f"{_describe(key)} from rank {src}")
-            ring = self._rings[src]
-            slot, buf = ring.get(nbytes)
+            ring, largest = self._ring(tag, nbytes)
+            slot, buf = ring.get(largest)  # a slot fits any message of its stream seen so far
             status = self.link.read(ch, buf.data_ptr(), self.timeout)
             if status != _OK:
                 ring.put(slot)
