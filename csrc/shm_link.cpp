@@ -200,7 +200,7 @@ std::size_t ShmLink::staged() const {
 }
 
 std::uint64_t ShmLink::available(const Channel& c) const {
-  return c.h->written.load(std::memory_order_acquire) - c.pos;
+  return c.h->written.load(std::memory_order_seq_cst) - c.pos;
 }
 
 void ShmLink::consume(Channel& c, std::uint8_t* dst, std::uint64_t n) {
@@ -211,9 +211,11 @@ void ShmLink::consume(Channel& c, std::uint8_t* dst, std::uint64_t n) {
     if (first < n) std::memcpy(dst + first, c.data, n - first);
   }
   c.pos += n;
-  c.h->consumed.store(c.pos, std::memory_order_release);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (c.h->writer_sleeps.load(std::memory_order_relaxed)) {
+  // Sequentially consistent: a sleeping writer's flag and this store are
+  // ordered both ways (Dekker), so a writer that checked for room before
+  // this store is seen asleep here and woken.
+  c.h->consumed.store(c.pos, std::memory_order_seq_cst);
+  if (c.h->writer_sleeps.load(std::memory_order_seq_cst)) {
     c.h->space_seq.fetch_add(1, std::memory_order_release);
     futex(&c.h->space_seq, FUTEX_WAKE, 1, nullptr);
   }
@@ -293,8 +295,7 @@ int ShmLink::wait(Channel& c, int ch, bool for_data, std::int64_t deadline, Read
   auto& sleeps = for_data ? c.h->reader_sleeps : c.h->writer_sleeps;
   auto& seq = for_data ? c.h->data_seq : c.h->space_seq;
   for (;;) {
-    sleeps.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    sleeps.store(1, std::memory_order_seq_cst);  // then `ready` reads the counter (seq_cst)
     const std::uint32_t seen = seq.load(std::memory_order_acquire);
     if (ready()) {
       sleeps.store(0, std::memory_order_relaxed);
@@ -320,7 +321,7 @@ int ShmLink::wait(Channel& c, int ch, bool for_data, std::int64_t deadline, Read
 int ShmLink::put(Channel& c, int ch, const std::uint8_t* src, std::uint64_t n,
                  std::int64_t deadline) {
   static const std::uint8_t zeros[256] = {};
-  auto space = [&c] { return c.cap - (c.pos - c.h->consumed.load(std::memory_order_acquire)); };
+  auto space = [&c] { return c.cap - (c.pos - c.h->consumed.load(std::memory_order_seq_cst)); };
   std::uint64_t done = 0;
   while (done < n) {
     std::uint64_t free = space();
@@ -337,9 +338,8 @@ int ShmLink::put(Channel& c, int ch, const std::uint8_t* src, std::uint64_t n,
     if (first < k) std::memcpy(c.data, from + first, k - first);
     c.pos += k;
     done += k;
-    c.h->written.store(c.pos, std::memory_order_release);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (c.h->reader_sleeps.load(std::memory_order_relaxed)) {
+    c.h->written.store(c.pos, std::memory_order_seq_cst);  // ordered against reader_sleeps
+    if (c.h->reader_sleeps.load(std::memory_order_seq_cst)) {
       c.h->data_seq.fetch_add(1, std::memory_order_release);
       futex(&c.h->data_seq, FUTEX_WAKE, 1, nullptr);
     }
