@@ -37,6 +37,7 @@ pid within ~20 ms; every wait ends at ``Pipe(timeout=...)``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
@@ -65,9 +66,12 @@ from fastpipe.schedules import Action
 CAPACITY = 8 << 20
 
 
-def _CPU_CONTIGUOUS(t: torch.Tensor) -> bool:
+_OK, _ABORTED, _TIMEOUT, _GONE = 0, 1, 2, 3  # ShmLink's statuses
+log = logging.getLogger(__name__)
+
+
+def _cpu_contiguous(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous()
-_OK, _ABORTED, _TIMEOUT, _GONE = 0, 1, 2, 3
 
 
 def _host() -> tuple[str, str, str] | None:
@@ -137,6 +141,7 @@ def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Itera
     if reason is not None:
         if required:
             raise ValueError(f"Pipe(shm=True) cannot use shared memory: {reason}")
+        log.info("pipe: messages through torch.distributed (no shared memory: %s)", reason)
         return None
     token = everyone[0]["token"]
     name = lambda src, dst: f"/fastpipe-{token}-{src}-{dst}"  # noqa: E731
@@ -169,7 +174,9 @@ def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Itera
         link.close()
         if required:
             raise ValueError(f"Pipe(shm=True) cannot use shared memory: {error}")
+        log.info("pipe: messages through torch.distributed (no shared memory: %s)", error)
         return None
+    log.info("pipe: messages through shared-memory rings of %d bytes", capacity)
     return link, writers, readers
 
 
@@ -230,8 +237,9 @@ class ShmTransport:
         self.wire = wire or {}
         self._send_buf = torch.empty(0, dtype=torch.uint8)  # packing, when a send needs it
         self._heads: dict = {}  # stream -> (layout, grads, spec, head block, data offset)
-        # Receive buffers by stream (direction, stage): one stream's messages
-        # have one size, so a slot's buffer fits whatever comes next on it.
+        # Receive buffers by stream (direction, stage), each made as large as
+        # the stream's largest message (microbatches may differ by a row), so
+        # a slot fits whatever comes next on it and steady steps allocate none.
         self._rings: dict[tuple[str, int], BufferRing] = {}
         self._largest: dict[tuple[str, int], int] = {}  # stream -> bytes of its largest message
         self._arrived: dict[int, dict[int, tuple]] = {src: {} for src in readers}
@@ -263,7 +271,10 @@ class ShmTransport:
         grads = tuple(map(needs_grad, tensors))
         # A stream sends the same head every microbatch: encode it once.
         head = self._heads.get(key[:2])
-        if head is None or head[0] is not layout or head[1] != grads or head[2] != spec:
+        # Only plain specs are compared (a structure's plain values could
+        # compare as anything); the others are encoded every time.
+        if (head is None or head[0] is not layout or head[1] != grads or head[2] is not spec
+                or not isinstance(spec, bool)):
             encoded = encode_head(layout, spec, grads)
             block = head_block(encoded)
             head = self._heads[key[:2]] = (layout, grads, spec, block, _prefixed(encoded))
@@ -271,7 +282,7 @@ class ShmTransport:
         total = start + layout.nbytes
         used, offsets, sizes, plain = layout._regions
         ch, tag = self.writers[dst], self.tag(key)
-        if plain and all(map(_CPU_CONTIGUOUS, tensors)):
+        if plain and all(map(_cpu_contiguous, tensors)):
             # Straight from the tensors into the ring: no send buffer.
             status = self.link.send_regions(
                 ch, tag, total, [0, *(start + o for o in offsets)],
