@@ -1,23 +1,13 @@
 // The hand-off point between the ranks of a local pipeline (see mailbox.h).
 #include "mailbox.h"
 
+#include "spin.h"
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
 
 namespace fastpipe {
-
-namespace {
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
-}  // namespace
 
 Mailbox::Mailbox(double spin) : spin_(spin) {}
 

@@ -1,5 +1,6 @@
 // Same-host links over shared memory (see shm_link.h).
 #include "shm_link.h"
+#include "spin.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -26,14 +27,6 @@ constexpr std::uint32_t kWriterAborted = 1, kReaderAborted = 2;
 constexpr std::size_t kReason = 1024;
 constexpr std::int64_t kSliceNs = 2'000'000;     // longest futex sleep between checks
 constexpr std::int64_t kLivenessNs = 20'000'000;  // how often a sleeper looks at its peer
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 inline std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(

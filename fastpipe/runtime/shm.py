@@ -52,7 +52,7 @@ from fastpipe.runtime.buffers import BufferRing
 from fastpipe.runtime.packing import Layout, pack_into
 from fastpipe.runtime.transport import (
     Key, Payload, PeerError, _describe, _prefixed, _timeout_message, encode_head, head_block,
-    read_head, received,
+    read_head, received, write_head,
 )
 from fastpipe.schedules import Action
 
@@ -236,7 +236,7 @@ class ShmTransport:
         self.device, self.stages, self.timeout = device, stages, timeout
         self.wire = wire or {}
         self._send_buf = torch.empty(0, dtype=torch.uint8)  # packing, when a send needs it
-        self._heads: dict = {}  # stream -> (layout, grads, spec, head block, data offset)
+        self._heads: dict = {}  # stream -> (layout, grads, spec, head, head block, data offset)
         # Receive buffers by stream (direction, stage), each made as large as
         # the stream's largest message (microbatches may differ by a row), so
         # a slot fits whatever comes next on it and steady steps allocate none.
@@ -276,9 +276,9 @@ class ShmTransport:
         if (head is None or head[0] is not layout or head[1] != grads or head[2] is not spec
                 or not isinstance(spec, bool)):
             encoded = encode_head(layout, spec, grads)
-            block = head_block(encoded)
-            head = self._heads[key[:2]] = (layout, grads, spec, block, _prefixed(encoded))
-        _, _, _, block, start = head
+            head = self._heads[key[:2]] = (layout, grads, spec, encoded, head_block(encoded),
+                                           _prefixed(encoded))
+        _, _, _, encoded, block, start = head
         total = start + layout.nbytes
         used, offsets, sizes, plain = layout._regions
         ch, tag = self.writers[dst], self.tag(key)
@@ -292,7 +292,7 @@ class ShmTransport:
             if self._send_buf.numel() < total:
                 self._send_buf = torch.empty(max(total, 2 * self._send_buf.numel()), dtype=torch.uint8)
             buf = self._send_buf[:total]
-            buf.numpy()[: block.size] = block
+            write_head(buf, encoded)
             pack_into(buf[start:], tensors, layout)
             status = self.link.send(ch, tag, buf.data_ptr(), total, self.timeout)
         if status != _OK:
