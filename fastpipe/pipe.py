@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -52,7 +53,8 @@ class Pipe(nn.Module):
 
     The user's layer objects are kept, not copied: an optimizer built on
     ``model.parameters()`` keeps working. In local mode each stage's layers
-    are moved to its device.
+    are moved to its device. In distributed mode every rank keeps the whole
+    model unless ``free_remote=True`` releases the other ranks' layers.
 
     Gradient semantics: after ``step(x, target, loss_fn)`` every parameter of
     a stage held by this process has, accumulated into its ``.grad`` like a
@@ -134,6 +136,18 @@ class Pipe(nn.Module):
             why not). ``pipe.shm`` tells which was taken. The group still
             carries the set-up, the loss broadcast and barriers. See
             ``fastpipe/runtime/shm.py``.
+        free_remote: distributed mode: once the pipeline is set up, the
+            parameters and buffers of the layers other ranks hold are
+            replaced in their modules by meta tensors of the same shape and
+            dtype, so each process keeps the weights of its own stages only
+            (every rank builds the whole model first; with it, a rank then
+            holds about 1/ranks of the weights). Their data is freed once
+            nothing else refers to it: build the optimizer after the Pipe
+            (one built before still holds the old tensors, harmlessly: they
+            get no gradient). ``model.state_dict()`` then has meta tensors
+            for those layers, so save each rank's own stages. Default False:
+            every rank keeps the whole model, as built. Layers a Pipe must
+            run that hold meta tensors are refused (ValueError on every rank).
 
     ``balance="auto"`` balances measured layer times (``balance_by_time``) on
     the first microbatch of the first ``step``: the model is split then, on
@@ -163,6 +177,7 @@ class Pipe(nn.Module):
         plan=None,
         fused_wgrad: bool = False,
         shm: bool | None = None,
+        free_remote: bool = False,
     ) -> None:
         super().__init__()
         _check_model(model)
@@ -172,6 +187,10 @@ class Pipe(nn.Module):
             raise TypeError(f"fused_wgrad must be a bool, got {type(fused_wgrad).__name__} "
                             f"({fused_wgrad!r})")
         self.fused_wgrad = fused_wgrad
+        if not isinstance(free_remote, bool):
+            raise TypeError(f"free_remote must be a bool, got {type(free_remote).__name__} "
+                            f"({free_remote!r})")
+        self.free_remote = free_remote
         if plan is not None:
             chunks, schedule, balance, stages_per_rank, checkpoint = _from_plan(
                 plan, chunks, schedule, balance, stages_per_rank, checkpoint
@@ -222,6 +241,7 @@ class Pipe(nn.Module):
 
             selective_recompute(model)
         self.balance = None if auto else resolved
+        self._problem: str | None = None  # set by _build_stages; raised on every rank
         self._stages = None if auto else self._build_stages()
         self._ring = None
         # Local mode on GPUs: transfers are copies on each rank's copy lane into
@@ -237,8 +257,13 @@ class Pipe(nn.Module):
         if shm and not self.distributed:
             raise ValueError("shm=True applies to distributed mode (ranks in separate processes); "
                              "local-mode ranks share one process and hand tensors over directly")
+        if free_remote and not self.distributed:
+            raise ValueError("free_remote=True applies to distributed mode: in local mode every "
+                             "stage runs in this process, so no layer is held elsewhere")
         if self.distributed:
             self._check_ranks_agree(balance, recompute, shm)
+        elif self._problem is not None:
+            raise ValueError(self._problem)
         self._shm = self._connect_shm(shm) if self.distributed else None
         self.shm = self._shm is not None
         # Messages up and down the ranks on separate groups (see flow_groups).
@@ -247,6 +272,8 @@ class Pipe(nn.Module):
         self._late_groups = late_groups(group) if self._exact_messages else {}
         self._dist_transport = None  # DistTransport or ShmTransport, made at the first step
         self._recording: list | None = None  # set by step_with_timeline
+        if self._stages is not None and free_remote:  # last: nothing above may fail after it
+            self._free_remote_layers()
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, ranks, self.balance)
 
     # --- set-up ----------------------------------------------------------------
@@ -257,6 +284,14 @@ class Pipe(nn.Module):
 
         balance = None
         holder = self._owner(0)
+        # The holder profiles every layer: it must hold them all (every rank raises, or none).
+        mine = _meta_problem(list(self.module), range(len(self.module)))
+        if self.distributed:
+            everyone: list = [None] * self.schedule.ranks
+            dist.all_gather_object(everyone, mine if self.rank == holder else None, group=self.group)
+            _raise_first(everyone)
+        elif mine is not None:
+            raise ValueError(mine)
         if not self.distributed or self.rank == holder:
             balance = balance_by_time(self.schedule.stages, self.module, x, self.chunks,
                                       self.devices[holder])
@@ -268,6 +303,14 @@ class Pipe(nn.Module):
         self.balance = _resolve_balance(balance, self.module, self.schedule.stages)
         _check_no_shared_params(self.module, self.balance)
         self._stages = self._build_stages()
+        if self.distributed:  # every rank raises, or none
+            everyone: list = [None] * self.schedule.ranks
+            dist.all_gather_object(everyone, self._problem, group=self.group)
+            _raise_first(everyone)
+        elif self._problem is not None:
+            raise ValueError(self._problem)
+        if self.free_remote:
+            self._free_remote_layers()
         log.info("pipe: balance by time %s", self.balance)
 
     def _connect_shm(self, shm: bool | None):
@@ -309,7 +352,9 @@ class Pipe(nn.Module):
             "shm": shm,  # the rings are set up collectively: every rank must take part
         }
         everyone: list = [None] * self.schedule.ranks
-        dist.all_gather_object(everyone, mine, group=self.group)
+        dist.all_gather_object(everyone, (mine, self._problem), group=self.group)
+        _raise_first([problem for _, problem in everyone])
+        everyone = [theirs for theirs, _ in everyone]
         for name in mine:
             values = [theirs[name] for theirs in everyone]
             if any(v != values[0] for v in values):
@@ -340,21 +385,46 @@ class Pipe(nn.Module):
     def _local_ranks(self) -> list[int]:
         return list(range(self.schedule.ranks)) if not self.distributed else [self.rank]
 
-    def _build_stages(self) -> dict[int, dict[int, Stage]]:
-        layers = list(self.module)
+    def _layer_ranges(self) -> list[range]:
+        """The model's layer indices of each stage."""
         bounds = [0]
         for n in self.balance:
             bounds.append(bounds[-1] + n)
+        return [range(bounds[s], bounds[s + 1]) for s in range(self.schedule.stages)]
+
+    def _build_stages(self) -> dict[int, dict[int, Stage]]:
+        """This process's stages, on their devices. A layer holding meta
+        tensors (no data: released by an earlier ``free_remote`` Pipe, or
+        never materialized) is not moved; ``self._problem`` says which, for
+        the caller to raise on every rank."""
+        layers = list(self.module)
+        ranges = self._layer_ranges()
+        self._problem = None
         stages: dict[int, dict[int, Stage]] = {}
         for rank in self._local_ranks():
             device = self.devices[rank]
             held = {}
             for s in range(self.schedule.stages):
-                if self.schedule.stage_to_rank[s] == rank:
-                    part = nn.Sequential(*layers[bounds[s] : bounds[s + 1]]).to(device)
-                    held[s] = Stage(s, part, device)
+                if self.schedule.stage_to_rank[s] != rank:
+                    continue
+                problem = _meta_problem(layers, ranges[s])
+                if problem is not None:
+                    self._problem = problem
+                    continue
+                part = nn.Sequential(*(layers[i] for i in ranges[s])).to(device)
+                held[s] = Stage(s, part, device)
             stages[rank] = held
         return stages
+
+    def _free_remote_layers(self) -> None:
+        """free_remote: the layers of other ranks' stages keep their
+        parameters' and buffers' shapes and dtypes on the meta device, and
+        their data is freed (once nothing else holds it)."""
+        layers = list(self.module)
+        for s, layer_range in enumerate(self._layer_ranges()):
+            if self.schedule.stage_to_rank[s] != self.rank:
+                for i in layer_range:
+                    _to_meta(layers[i])
 
     def _lanes(self) -> int:
         """Lanes of the native ring this pipe uses (created on first use)."""
@@ -639,6 +709,48 @@ def _outcome(event) -> Any:
 
 
 # --- argument checks -------------------------------------------------------------
+
+
+def _meta_problem(layers: list[nn.Module], indices: Sequence[int]) -> str | None:
+    """What is wrong when one of ``layers[indices]`` holds meta tensors (no
+    data to compute with), or None."""
+    for i in indices:
+        if any(t.is_meta for t in itertools.chain(layers[i].parameters(), layers[i].buffers())):
+            return (f"layer {i} ({type(layers[i]).__name__}) has tensors on the meta device (no "
+                    "data), e.g. released by an earlier Pipe with free_remote=True; build the "
+                    "model again (or materialize it) before this Pipe")
+    return None
+
+
+def _to_meta(module: nn.Module) -> None:
+    """Swaps every parameter and buffer of ``module`` for a meta tensor of
+    the same shape, dtype and ``requires_grad`` (a tensor's ``.data`` cannot
+    change to the meta device, so the module's entries are replaced; a
+    parameter used twice inside ``module`` stays one parameter)."""
+    swapped: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table, make in ((sub._parameters, _meta_parameter), (sub._buffers, _meta_tensor)):
+            for name, t in table.items():
+                if t is not None and not t.is_meta:
+                    if id(t) not in swapped:
+                        swapped[id(t)] = make(t)
+                    table[name] = swapped[id(t)]
+
+
+def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(_meta_tensor(p), requires_grad=p.requires_grad)
+
+
+def _raise_first(problems: list[str | None]) -> None:
+    """ValueError naming the first rank that found a set-up problem (the
+    same on every rank: ``problems`` was gathered from all of them)."""
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            raise ValueError(f"pipeline rank {rank}: {problem}")
 
 
 def _check_model(model: Any) -> None:

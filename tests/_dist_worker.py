@@ -48,7 +48,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         timeout=60, overlap=case.get("overlap", not case.get("exact")),
                         checkpoint=case.get("checkpoint", "never"),
                         wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"),
-                        fused_wgrad=case.get("fused", False), shm=case.get("shm", False))
+                        fused_wgrad=case.get("fused", False), shm=case.get("shm", False),
+                        free_remote=case.get("free_remote", False))
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
             losses, outs, rings, p2p = [], [], [], []
             del _SIZES[:]
@@ -63,7 +64,16 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 with torch.no_grad(), _amp(case):
                     outs.append(pipe(x))
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            meta = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta)
+            refused = None
+            if case.get("refit"):  # a second Pipe over the released model, split another way
+                try:
+                    Pipe(model, chunks=case["chunks"], schedule=case["schedule"], group=group,
+                         balance=case["refit"], timeout=60, shm=False)
+                except ValueError as exc:
+                    refused = str(exc)
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
+                            "meta": meta, "refused": refused,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
                             "staged": pipe._shm[0].staged_total if pipe.shm else 0})
         torch.save({"ok": results}, out_path)

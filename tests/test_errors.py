@@ -18,6 +18,13 @@ def _tied():
     return nn.Sequential(shared, nn.ReLU(), nn.Linear(4, 4), shared)
 
 
+def _meta_last():
+    """mlp() whose last layer has no data (as a free_remote Pipe leaves it)."""
+    model = mlp()
+    model[5].to_empty(device="meta")
+    return model
+
+
 def _step(pipe_kwargs: dict, x, y, loss_fn=F.mse_loss, model=None):
     pipe = Pipe(model if model is not None else mlp(), **pipe_kwargs)
     try:
@@ -54,6 +61,10 @@ CONSTRUCTION = [
     ("overlap", {"overlap": "yes"}, TypeError, r"overlap must be a bool or None, got str \(.yes.\)"),
     ("shm-type", {"shm": 1}, TypeError, r"shm must be a bool or None, got int \(1\)"),
     ("shm-local", {"shm": True}, ValueError, r"shm=True applies to distributed mode"),
+    ("free-remote-type", {"free_remote": 1}, TypeError, r"free_remote must be a bool, got int \(1\)"),
+    ("free-remote-local", {"free_remote": True}, ValueError, r"free_remote=True applies to distributed mode"),
+    ("meta-layer", {"model": _meta_last()}, ValueError,
+     r"layer 5 \(Linear\) has tensors on the meta device"),
     ("checkpoint", {"checkpoint": "sometimes"}, ValueError, "checkpoint must be one of"),
     ("recompute", {"recompute": "all"}, ValueError, "recompute must be 'none' or 'selective', got 'all'"),
     ("wire-dtype", {"wire_dtype": torch.int8}, ValueError, "wire_dtype must be None or one of"),
@@ -87,6 +98,12 @@ def test_step_input_errors(case):
     _, kwargs, (x, y), exc, pattern = case
     with pytest.raises(exc, match=pattern):
         _step({"devices": CPU2, **kwargs}, x, y)
+
+
+def test_balance_auto_refuses_a_layer_without_data():
+    """balance="auto" splits at the first step, after profiling every layer."""
+    with pytest.raises(ValueError, match=r"layer 5 \(Linear\) has tensors on the meta device"):
+        _step({"devices": CPU2, "chunks": 2, "balance": "auto"}, X, Y, model=_meta_last())
 
 
 def test_loss_fn_that_is_not_a_scalar():

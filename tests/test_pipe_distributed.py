@@ -7,6 +7,7 @@ the cost of starting processes is paid once per world size.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,33 @@ def test_two_ranks_over_shared_memory(tmp_path):
             if len(got["rings"]) > 1 and case["model"] != "embedding_model":
                 assert got["rings"][-1]["recv_allocations"] == got["rings"][0]["recv_allocations"], (
                     case["schedule"], case["model"], case.get("shm_capacity"), got["rings"])
+
+
+@pytest.mark.timeout(300)
+def test_free_remote_keeps_only_the_local_stages(tmp_path):
+    """free_remote=True: the same gradients and outputs, and on each rank
+    exactly the parameters of the other rank's stages are on the meta
+    device; a later Pipe that would run released layers is refused on
+    every rank, naming the rank and the layer."""
+    cases = [
+        _case("1f1b", steps=2, free_remote=True, refit=[5, 1]),
+        _case("zbv", model="tuple_model", balance=[1, 2, 1, 2], free_remote=True, **SHM),
+        _case("zb-h1", model="embedding_model", chunks=3, steps=2, free_remote=True),
+        _case("gpipe", balance="auto", free_remote=True),
+    ]
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for i, case in enumerate(cases):
+        names = {n for n, _ in getattr(models, case["model"])().named_parameters()}
+        meta_on = [set(r[i]["meta"]) for r in results]
+        for rank, got in enumerate(r[i] for r in results):
+            assert meta_on[rank] == names - got["grads"].keys(), (case["schedule"], rank)
+        assert not set.intersection(*meta_on) and set.union(*meta_on) == names
+        if case.get("refit"):  # rank 0 would run layers rank 1 held: refused, the same everywhere
+            refused = {r[i]["refused"] for r in results}
+            assert len(refused) == 1 and None not in refused, refused
+            assert re.match(r"pipeline rank 0: layer \d+ \(Linear\) has tensors on the meta device",
+                            refused.pop())
 
 
 @pytest.mark.timeout(300)

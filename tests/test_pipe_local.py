@@ -163,3 +163,20 @@ def test_step_under_autocast_matches_the_amp_loop(schedule, checkpoint):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         pipe.close()
+
+
+def test_meta_swap_keeps_shapes_sharing_and_buffers():
+    """What free_remote does to another rank's layer: every parameter and
+    buffer becomes a meta tensor of the same shape, dtype and requires_grad;
+    a parameter used twice in the layer stays one parameter."""
+    from fastpipe.pipe import _to_meta
+
+    lin = nn.Linear(3, 3)
+    layer = nn.Sequential(lin, nn.BatchNorm1d(3), lin).double()
+    layer[1].weight.requires_grad_(False)
+    before = {n: (t.shape, t.dtype, t.requires_grad) for n, t in layer.state_dict(keep_vars=True).items()}
+    _to_meta(layer)
+    after = layer.state_dict(keep_vars=True)
+    assert {n: (t.shape, t.dtype, t.requires_grad) for n, t in after.items()} == before
+    assert all(t.is_meta for t in after.values())
+    assert layer[0].weight is layer[2].weight and isinstance(layer[0].weight, nn.Parameter)
