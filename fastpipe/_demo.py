@@ -64,7 +64,8 @@ def _rank_main(rank: int, world: int, init: str, queue, cfg: dict) -> None:
     try:
         torch.manual_seed(0)
         model = _model()
-        pipe = Pipe(model, chunks=cfg["chunks"], schedule=cfg["schedule"], timeout=60)
+        # Each rank keeps only its own stages' weights (the optimizer comes after the Pipe).
+        pipe = Pipe(model, chunks=cfg["chunks"], schedule=cfg["schedule"], timeout=60, free_remote=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         losses, start = [], None
         for step in range(1, cfg["steps"] + 1):
