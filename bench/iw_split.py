@@ -5,7 +5,8 @@ d=512) on one microbatch of the pipelining benchmark (8 rows), one thread,
 measured twice: as a later stage (its input needs a gradient, I computes
 it) and as the first stage (the model's input needs none: I has nothing to
 do and W runs the whole backward). B, I and W are timed in alternation so
-drift hits both sides alike.
+drift hits both sides alike. W runs as the executor runs it, with a
+workspace kept across microbatches (``backward_weight(workspace=...)``).
 
 With ``--fused-wgrad`` all three run as ``Pipe(fused_wgrad=True)`` runs
 them (each Linear's weight gradient one GEMM into ``.grad``): I+W is then
@@ -41,6 +42,7 @@ def measure(rows: int, width: int, blocks: int, repeats: int,
     params = list(stage.parameters())
     x = torch.randn(rows, width)
     b_times, i_times, w_times = [], [], []
+    workspace: dict = {}  # W's reused buffers, kept per stage as the executor keeps them
     for _ in range(repeats):
         xi = x.clone().requires_grad_(input_grad)
         y = stage(xi)
@@ -56,7 +58,7 @@ def measure(rows: int, width: int, blocks: int, repeats: int,
         t0 = time.perf_counter()
         _, work = backward_input([y], [g], [xi], params, fused=fused)
         t1 = time.perf_counter()
-        backward_weight(work)
+        backward_weight(work, workspace=workspace)
         t2 = time.perf_counter()
         i_times.append(t1 - t0)
         w_times.append(t2 - t1)

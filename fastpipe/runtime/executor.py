@@ -60,6 +60,8 @@ class Stage:
     # Saved-activation bytes of a forward, by (kind, input shapes and dtypes):
     # counted with hooks the first time, then looked up (hooks cost ~5 %).
     saved_bytes: dict = field(default_factory=dict, init=False)
+    # W's reused weight-gradient buffers (``_backward.backward_weight``).
+    workspace: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -424,5 +426,6 @@ class RankExecutor:
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
 
     def _backward_weight(self, a: Action) -> None:
-        backward_weight(self._weights.pop((a.stage, a.microbatch)), self.keep_graphs)
+        backward_weight(self._weights.pop((a.stage, a.microbatch)), self.keep_graphs,
+                        self.stages[a.stage].workspace)
 
