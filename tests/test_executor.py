@@ -38,7 +38,7 @@ def test_input_then_weight_equals_full_backward():
             torch.testing.assert_close(a, b)
 
 
-def test_weight_gradients_through_the_workspace_are_bit_identical():
+def test_weight_gradients_through_the_workspace_are_bit_identical(monkeypatch):
     """W with a workspace (a reused buffer per weight shape, accumulated by
     autograd from the AccumulateGrad nodes) gives the same bits as W
     restarting autograd at each Linear, microbatch after microbatch: Linears
@@ -51,6 +51,9 @@ def test_weight_gradients_through_the_workspace_are_bit_identical():
                              nn.Unflatten(1, (2, 3)), nn.Linear(3, 3), nn.Flatten(1),
                              nn.Linear(6, 3)).double()
 
+    from fastpipe.runtime import _backward
+
+    monkeypatch.setattr(_backward, "_WORKSPACE_MIN_BYTES", 0)  # these weights are tiny
     torch.manual_seed(4)
     batches = [(torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
                for _ in range(3)]
@@ -70,6 +73,17 @@ def test_weight_gradients_through_the_workspace_are_bit_identical():
         assert torch.equal(a, b)
     assert torch.equal(results[0][1], results[1][1])
     assert used[1] == [(3, 3), (6, 5), (6, 6)]  # not the hooked (3, 6) weight
+
+
+def test_small_weights_keep_the_restart():
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    workspace: dict = {}
+    for _ in range(2):
+        x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+        _, work = backward_input([model(x)], [torch.ones(4, 3, dtype=torch.float64)], [x],
+                                 list(model.parameters()))
+        backward_weight(work, workspace=workspace)
+    assert workspace == {}
 
 
 def test_first_stage_without_input_grad_runs_all_in_w():
