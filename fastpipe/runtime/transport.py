@@ -994,12 +994,15 @@ class DistTransport:
         deadline = time.monotonic() + min(self.timeout, 10.0)
         for key, src, work, buf in self._drain():
             self._finish_drain(key, src, work, buf, deadline)
-        # The notices must leave before this process may exit: an isend not
-        # waited for can still sit in gloo's queue when the caller tears the
-        # process group down, and the peer then sees a closed connection
-        # ("rank N is gone") instead of the reason (1 run in ~20 of the
-        # fault tests did).
-        for work, _msg in notices:
+        # The notices, and the data sends issued before the failure, must
+        # leave before this process may exit: an isend not waited for can
+        # still sit in gloo's queue when the caller tears the process group
+        # down, and the peer then sees a closed connection ("rank N is gone")
+        # instead of the reason (1 run in ~20 of the fault tests did for the
+        # notices; with them waited for, a peer still waiting for a message
+        # sent just before the failure saw the same under a loaded machine).
+        issued = [work for item in self._sends if isinstance(item, list) for work, *_ in item]
+        for work in issued + [work for work, _msg in notices]:
             if not _wait_until(work, deadline):
                 break  # past the deadline, or the peer is gone: it needs no notice
         for event in self._events:
