@@ -333,8 +333,9 @@ def backward_weight(work: WeightWork, keep_graph: bool = False,
     allocator those often come from fresh pages: torch asks for 64-byte
     aligned blocks, which glibc 2.36 does not serve from the block just
     freed once a small allocation sits next to it. On 2048x512 Linears that
-    was ~1000 page faults per W (W 7.4-10.1 ms against 5.9-6.4 ms with the
-    buffer).
+    was ~1000-2000 page faults per W (W 8.7-9.2 ms against 6.2-7.5 ms with
+    the buffer). CPU only: GPU memory comes from torch's caching allocator,
+    and a buffer reused across the engine's streams would need events.
     """
     groups = [g for g in work.groups if g.params]
     # Fused mode: every Linear of the stage in one native call, first.
@@ -382,12 +383,12 @@ def _linear_into_workspace(lin: _Linear, g: torch.Tensor, params: list[GradientE
     parameters' hooks and frees nothing of ours. It must not keep the
     buffer: so only where ``.grad`` exists already (accumulation adds into
     it; a missing ``.grad`` could be the buffer itself, stolen) and no
-    tensor hook could keep the gradient it is shown; and only for weights
-    of 1 MiB or more (``_WORKSPACE_MIN_BYTES``).
+    tensor hook could keep the gradient it is shown; and only for CPU
+    weights of 1 MiB or more (``_WORKSPACE_MIN_BYTES``).
     """
     node = lin.node
     w = lin.weight.variable
-    if w.numel() * w.element_size() < _WORKSPACE_MIN_BYTES:
+    if w.device.type != "cpu" or w.numel() * w.element_size() < _WORKSPACE_MIN_BYTES:
         return False
     b = lin.bias.variable if lin.bias is not None else None
     for p in (w, b):
