@@ -333,7 +333,7 @@ def backward_weight(work: WeightWork, keep_graph: bool = False,
     allocator those often come from fresh pages: torch asks for 64-byte
     aligned blocks, which glibc 2.36 does not serve from the block just
     freed once a small allocation sits next to it. On 2048x512 Linears that
-    was ~1000-2000 page faults per W (W 8.7-9.2 ms against 6.2-7.5 ms with
+    was ~1000-2000 page faults per W (W 8.7-9.2 ms against 6.2-7.9 ms with
     the buffer). CPU only: GPU memory comes from torch's caching allocator,
     and a buffer reused across the engine's streams would need events.
     """
