@@ -285,14 +285,15 @@ class Pipe(nn.Module):
         balance = None
         holder = self._owner(0)
         # The holder profiles every layer: it must hold them all (every rank raises, or none).
-        mine = _meta_problem(list(self.module), range(len(self.module)))
+        profiles = not self.distributed or self.rank == holder
+        mine = _meta_problem(list(self.module), range(len(self.module))) if profiles else None
         if self.distributed:
             everyone: list = [None] * self.schedule.ranks
-            dist.all_gather_object(everyone, mine if self.rank == holder else None, group=self.group)
+            dist.all_gather_object(everyone, mine, group=self.group)
             _raise_first(everyone)
         elif mine is not None:
             raise ValueError(mine)
-        if not self.distributed or self.rank == holder:
+        if profiles:
             balance = balance_by_time(self.schedule.stages, self.module, x, self.chunks,
                                       self.devices[holder])
         if self.distributed:
