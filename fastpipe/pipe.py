@@ -639,7 +639,7 @@ class Pipe(nn.Module):
 
         def run_rank(rank: int):
             executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
-                                    self.checkpoint, rng_lock, keep_graphs=True,
+                                    self.checkpoint, rng_lock, keep_graphs=True, chains=False,
                                     fused_wgrad=self.fused_wgrad, autocast=amp)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin

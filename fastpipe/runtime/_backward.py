@@ -500,23 +500,31 @@ _NATIVE_DTYPES = (torch.float32, torch.float64)
 
 
 def _accumulate_linears(pairs: Sequence[tuple[_Linear, torch.Tensor]]) -> None:
-    """Each Linear's ``W.grad += g.t() @ x`` (and ``b.grad += g.sum(0)``).
+    """``accumulate_linear_grads`` for cut Linears and their incoming gradients."""
+    accumulate_linear_grads([
+        (lin.weight.variable, lin.bias.variable if lin.bias is not None else None, g,
+         _saved_input(lin))
+        for lin, g in pairs
+    ])
+
+
+def accumulate_linear_grads(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]],
+) -> None:
+    """For each (weight, bias, g, x): ``W.grad += g.t() @ x`` (and ``b.grad += g.sum(0)``).
 
     CPU fp32/fp64 Linears go to one native call that runs them all without
     the GIL (``csrc/accumulate.cpp``); the rest take torch ops.
     """
-    items, f64, kept, rest = [], [], [], []
+    native_items, f64, kept, rest = [], [], [], []
     use_native = _native_blas()
-    for lin, g in pairs:
-        x = _saved_input(lin)
-        w = lin.weight.variable
-        b = lin.bias.variable if lin.bias is not None else None
+    for w, b, g, x in items:
         k = g.shape[0] if g.dim() == 2 else -1
         if not (use_native and w.device.type == "cpu" and w.dtype in _NATIVE_DTYPES
                 and g.dtype == w.dtype and x.dtype == w.dtype and w.dim() == 2
                 and tuple(g.shape) == (k, w.shape[0]) and tuple(x.shape) == (k, w.shape[1])
                 and g.is_contiguous() and x.is_contiguous()):
-            rest.append((lin, g))
+            rest.append((w, b, g, x))
             continue
         overwrite = w.grad is None and (b is None or b.grad is None)
         if overwrite:
@@ -528,29 +536,24 @@ def _accumulate_linears(pairs: Sequence[tuple[_Linear, torch.Tensor]]) -> None:
                 if p is not None and p.grad is None:
                     p.grad = torch.zeros_like(p)
         bias = b.grad.data_ptr() if b is not None else 0
-        items.append((w.grad.data_ptr(), g.data_ptr(), x.data_ptr(), w.shape[0], w.shape[1], k,
-                      bias, overwrite))
+        native_items.append((w.grad.data_ptr(), g.data_ptr(), x.data_ptr(), w.shape[0],
+                             w.shape[1], k, bias, overwrite))
         f64.append(w.dtype == torch.float64)
         kept.append((g, x))  # alive until the call returns
-    if items:
-        native()._accumulate_linear_grads(items, f64)
-    for lin, g in rest:
-        _accumulate_linear(lin, g)
+    if native_items:
+        native()._accumulate_linear_grads(native_items, f64)
+    with torch.no_grad():
+        for w, b, g, x in rest:
+            if w.grad is None:
+                w.grad = torch.mm(g.t(), x)
+            else:
+                w.grad.addmm_(g.t(), x)
+            if b is not None:
+                _accumulate(b, g.sum(0))
 
 
 def _saved_input(lin: _Linear) -> torch.Tensor:
     return getattr(lin.node, _LINEAR_KINDS[type(lin.node).__name__][1])
-
-
-def _accumulate_linear(lin: _Linear, g: torch.Tensor) -> None:
-    x = _saved_input(lin)
-    w = lin.weight.variable
-    if w.grad is None:
-        w.grad = torch.mm(g.t(), x)
-    else:
-        w.grad.addmm_(g.t(), x)
-    if lin.bias is not None:
-        _accumulate(lin.bias.variable, g.sum(0))
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:

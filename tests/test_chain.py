@@ -1,0 +1,239 @@
+"""Chains: stages of Linears and activations run without autograd's graph,
+bit for bit what autograd computes, and the eager path wherever they could differ."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fastpipe.pipe as pipe_module
+from fastpipe import Pipe
+from fastpipe.runtime import executor as executor_module
+from fastpipe.runtime.chain import Chain
+from fastpipe.schedules import names
+
+ACTIVATIONS = [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.SiLU(), nn.Tanh(),
+               nn.Sigmoid(), nn.Identity()]
+
+
+def chain_model(dtype=torch.float32, seed: int = 0) -> nn.Sequential:
+    """Every activation a chain knows, Linears with and without bias, nesting."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for i, act in enumerate(ACTIVATIONS):
+        layers += [nn.Linear(12, 12, bias=i % 3 != 1), type(act)(**_kwargs(act))]
+    layers.append(nn.Sequential(nn.Linear(12, 6), nn.Sequential(nn.ReLU())))
+    layers.append(nn.Linear(6, 4))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def _kwargs(act: nn.Module) -> dict:
+    return {"approximate": act.approximate} if isinstance(act, nn.GELU) else {}
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("grads_exist", [False, True])
+def test_chain_is_bit_identical_to_autograd(dtype, grads_exist):
+    eager, native = chain_model(dtype), chain_model(dtype)
+    chain = Chain.of(native)
+    assert chain is not None
+    x = torch.randn(5, 12, dtype=dtype)
+    g = torch.randn(5, 4, dtype=dtype)
+    if grads_exist:
+        for a, b in zip(eager.parameters(), native.parameters()):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+    xe = x.clone().requires_grad_()
+    out_e = eager(xe)
+    out_e.backward(g)
+    assert chain.usable(x)
+    out, saved = chain.forward(x)
+    assert torch.equal(out, out_e.detach())
+    gx, work = chain.backward_input(saved, g, need_input=True)
+    assert saved == []  # I consumed what F saved
+    assert torch.equal(gx, xe.grad)
+    assert all(p.grad is None for p in native.parameters()) or grads_exist  # nothing before W
+    chain.backward_weight(work, {})
+    for a, b in zip(_grads(eager), _grads(native)):
+        assert torch.equal(a, b)
+
+
+def test_frozen_weights_get_no_gradient_and_the_rest_is_exact():
+    eager, native = chain_model(torch.float64), chain_model(torch.float64)
+    for m in (eager, native):
+        m[0].weight.requires_grad_(False)
+        m[4].bias.requires_grad_(False)
+    x, g = torch.randn(3, 12, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    eager(x).backward(g)
+    chain = Chain.of(native)
+    out, saved = chain.forward(x)
+    gx, work = chain.backward_input(saved, g, need_input=False)
+    assert gx is None
+    chain.backward_weight(work, {})
+    assert native[0].weight.grad is None and native[4].bias.grad is None
+    for a, b in zip(_grads(eager), _grads(native)):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_fused_weight_gradients_match_within_rounding():
+    eager, native = chain_model(torch.float64), chain_model(torch.float64)
+    x, g = torch.randn(6, 12, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    for _ in range(2):  # None first, then accumulated into
+        eager(x).backward(g)
+        chain = Chain.of(native)
+        out, saved = chain.forward(x)
+        _, work = chain.backward_input(saved, g, need_input=False)
+        chain.backward_weight(work, {}, fused=True)
+    for a, b in zip(_grads(eager), _grads(native)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("model", [
+    nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),  # a layer it does not know
+    nn.Sequential(nn.ReLU(), nn.Tanh()),  # no weights: nothing to win
+    nn.Sequential(type("MyLinear", (nn.Linear,), {})(4, 4)),  # a subclass may override forward
+    nn.Sequential(nn.Linear(4, 4), nn.Dropout()),
+])
+def test_stages_it_cannot_run_have_no_chain(model):
+    assert Chain.of(model) is None
+
+
+def _hooked_layer(model):
+    model[0].register_forward_hook(lambda *a: None)
+
+
+def _hooked_param(model):
+    model[2].weight.register_hook(lambda g: g)
+
+
+def _accumulate_hook(model):
+    model[2].weight.register_post_accumulate_grad_hook(lambda p: None)
+
+
+def _swapped_layer(model):
+    model[-2][0] = nn.Linear(12, 6)
+
+
+@pytest.mark.parametrize("change", [_hooked_layer, _hooked_param, _accumulate_hook, _swapped_layer])
+def test_what_would_change_the_result_sends_the_stage_to_autograd(change):
+    model = chain_model()
+    chain = Chain.of(model)
+    x = torch.randn(2, 12)
+    assert chain.usable(x)
+    change(model)
+    assert not chain.usable(x)
+
+
+@pytest.mark.parametrize("x", [
+    torch.randn(2, 3, 12),  # 3-D
+    torch.randn(12, 2).t(),  # not contiguous
+    torch.randn(2, 12, dtype=torch.float64),  # not the weights' dtype
+])
+def test_inputs_it_does_not_take(x):
+    assert not Chain.of(chain_model()).usable(x)
+
+
+def test_global_hooks_and_saved_tensor_hooks_rule_it_out():
+    chain = Chain.of(chain_model())
+    x = torch.randn(2, 12)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not chain.usable(x)
+    handle = nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert not chain.usable(x)
+    finally:
+        handle.remove()
+    assert chain.usable(x)
+
+
+@pytest.fixture
+def chains_in_local_mode(monkeypatch):
+    """Local mode runs stages through autograd (the GIL: see RankExecutor);
+    forcing chains there runs the same executor code as distributed ranks
+    without processes. Counts the chain forwards."""
+    calls = []
+    forward = Chain.forward
+
+    def counted(self, x):
+        calls.append(1)
+        return forward(self, x)
+
+    monkeypatch.setattr(Chain, "forward", counted)
+
+    def build(chains: bool):
+        def make(*args, **kwargs):
+            return executor_module.RankExecutor(*args, **{**kwargs, "chains": chains})
+
+        monkeypatch.setattr(pipe_module, "RankExecutor", make)
+    return build, calls
+
+
+@pytest.mark.parametrize("schedule", names())
+def test_every_schedule_through_chains_is_bit_identical(schedule, chains_in_local_mode):
+    build, calls = chains_in_local_mode
+    x, y = torch.randn(12, 12), torch.randn(12, 4)
+    results = []
+    for chains in (True, False):
+        build(chains)
+        model = chain_model()
+        pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"])
+        losses = [pipe.step(x, y, nn.functional.mse_loss) for _ in range(2)]
+        out = pipe(x)
+        results.append((losses, _grads(model), out))
+        if chains:
+            assert len(calls) == 3 * 4 * len(pipe.schedule.stage_to_rank)  # every F ran as one
+    (la, ga, oa), (lb, gb, ob) = results
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+    assert torch.equal(oa, ob)
+
+
+def test_chain_stage_falls_back_per_step_and_hooks_run(chains_in_local_mode):
+    build, calls = chains_in_local_mode
+    build(True)
+    model = chain_model(torch.float64)
+    ref = chain_model(torch.float64)
+    pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+    seen = []
+    model[2].weight.register_hook(lambda g: seen.append(1))
+    x, y = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe.step(x, y, nn.functional.mse_loss)
+    assert len(seen) == 2  # once per microbatch, as autograd does
+    assert len(calls) == 2  # the stage without the hooked weight still ran as a chain
+    sum(nn.functional.mse_loss(ref(a), b) for a, b in zip(x.chunk(2), y.chunk(2))).div(2).backward()
+    for a, b in zip(_grads(ref), _grads(model)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_chain_output_is_freed_once_sent(chains_in_local_mode, monkeypatch):
+    build, _ = chains_in_local_mode
+    build(True)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # no op saves the first output
+    pipe = Pipe(model, chunks=2, schedule="gpipe", devices=["cpu", "cpu"])
+    first = pipe._stages[0][0].chain
+    outputs: list[weakref.ref] = []
+    alive_at_backward: list[bool] = []
+    forward, backward_input = Chain.forward, Chain.backward_input
+
+    def keep(self, x):
+        out, saved = forward(self, x)
+        if self is first:
+            outputs.append(weakref.ref(out))
+        return out, saved
+
+    def check(self, saved, grad, need_input):
+        if self is first:
+            alive_at_backward.append(any(r() is not None for r in outputs))
+        return backward_input(self, saved, grad, need_input)
+
+    monkeypatch.setattr(Chain, "forward", keep)
+    monkeypatch.setattr(Chain, "backward_input", check)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+    assert len(outputs) == 2 and alive_at_backward == [False, False]
