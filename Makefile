@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+SOURCES := pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/chain/*.cpp)
 
 .PHONY: demo test tsan asan bench torch clean
 

@@ -5,6 +5,12 @@ FASTPIPE_CUDA=auto (default) builds the CUDA backend if cuda_runtime_api.h is
 under $CUDA_HOME, $CUDA_PATH or /usr/local/cuda; 1 requires it; 0 skips it.
 Only headers are used: libcudart is opened at run time, never linked, so the
 same build imports on machines without CUDA. No GPU is probed here.
+
+fastpipe._chain (csrc/chain/) is built against the torch found at build time
+(`pip install --no-build-isolation`, as the Makefile does) and skipped where
+torch cannot be imported here or FASTPIPE_NATIVE_CHAIN=0: fastpipe then runs
+those stages' ops from Python (fastpipe/runtime/chain.py). It is tied to that
+torch's C++ ABI; after a torch upgrade, rebuild it.
 """
 
 import os
@@ -52,5 +58,30 @@ def extension() -> Pybind11Extension:
     )
 
 
+def chain_extension():
+    """fastpipe._chain, or None where it cannot or should not be built."""
+    mode = os.environ.get("FASTPIPE_NATIVE_CHAIN", "1").strip()
+    if mode not in {"0", "1"}:
+        raise SystemExit(f"FASTPIPE_NATIVE_CHAIN must be 0 or 1, got {mode!r}")
+    if mode == "0":
+        return None
+    try:
+        import torch
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError:
+        return None
+    return CppExtension(
+        "fastpipe._chain",
+        ["csrc/chain/chain.cpp"],
+        define_macros=[
+            ("TORCH_EXTENSION_NAME", "_chain"),
+            ("TORCH_API_INCLUDE_EXTENSION_H", None),
+            ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
+        ],
+        extra_compile_args=["-O2", "-g0", "-std=c++20", "-fvisibility=hidden"],
+    )
+
+
 ParallelCompile("FASTPIPE_BUILD_JOBS", default=2).install()
-setup(ext_modules=[extension()], cmdclass={"build_ext": build_ext})
+setup(ext_modules=[e for e in (extension(), chain_extension()) if e is not None],
+      cmdclass={"build_ext": build_ext})

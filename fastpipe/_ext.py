@@ -27,3 +27,16 @@ def native() -> ModuleType:
             "Build it with `pip install -e .` in the fastpipe source tree "
             "(or reinstall fastpipe)."
         ) from err
+
+
+@functools.cache
+def native_chain() -> ModuleType | None:
+    """Returns ``fastpipe._chain`` (chains in C++, built against torch), or None.
+
+    None where it was not built (no torch at build time) or does not load
+    (built against another torch): chains then issue their ops from Python.
+    """
+    try:
+        return importlib.import_module("fastpipe._chain")
+    except ImportError:
+        return None

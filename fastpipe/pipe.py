@@ -626,7 +626,8 @@ class Pipe(nn.Module):
         # Ranks are threads sharing the CPU generator: with checkpointing,
         # stochastic stages take turns drawing so recomputation replays exactly.
         # They share the GIL too: backward leaves freeing the graph to the
-        # executor (keep_graphs), so that it runs without the GIL.
+        # executor (keep_graphs), so that it runs without the GIL, and only
+        # native chains replace autograd (python_chains=False).
         rng_lock = threading.Lock() if self.checkpoint != "never" else None
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
@@ -639,8 +640,9 @@ class Pipe(nn.Module):
 
         def run_rank(rank: int):
             executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
-                                    self.checkpoint, rng_lock, keep_graphs=True, chains=False,
-                                    fused_wgrad=self.fused_wgrad, autocast=amp)
+                                    self.checkpoint, rng_lock, keep_graphs=True,
+                                    fused_wgrad=self.fused_wgrad, autocast=amp,
+                                    python_chains=False)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:

@@ -11,10 +11,14 @@ from torch import nn
 
 import fastpipe.pipe as pipe_module
 from fastpipe import Pipe
+from fastpipe._ext import native_chain
+from fastpipe.runtime import chain as chain_module
 from fastpipe.runtime import executor as executor_module
 from fastpipe.runtime.chain import Chain
 from fastpipe.schedules import names
 
+# Both ways of running a chain; the native one must be built where the suite runs.
+NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="python")]
 ACTIVATIONS = [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.SiLU(), nn.Tanh(),
                nn.Sigmoid(), nn.Identity()]
 
@@ -38,12 +42,18 @@ def _grads(model: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def test_the_native_chain_is_built():
+    assert native_chain() is not None, "fastpipe._chain did not load: rebuild with torch installed"
+    assert Chain.of(chain_model()).native and not Chain.of(chain_model(), native=False).native
+
+
+@pytest.mark.parametrize("use_native", NATIVE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("grads_exist", [False, True])
-def test_chain_is_bit_identical_to_autograd(dtype, grads_exist):
+def test_chain_is_bit_identical_to_autograd(dtype, grads_exist, use_native):
     eager, native = chain_model(dtype), chain_model(dtype)
-    chain = Chain.of(native)
-    assert chain is not None
+    chain = Chain.of(native, use_native)
+    assert chain is not None and chain.native == use_native
     x = torch.randn(5, 12, dtype=dtype)
     g = torch.randn(5, 4, dtype=dtype)
     if grads_exist:
@@ -57,22 +67,25 @@ def test_chain_is_bit_identical_to_autograd(dtype, grads_exist):
     out, saved = chain.forward(x)
     assert torch.equal(out, out_e.detach())
     gx, work = chain.backward_input(saved, g, need_input=True)
-    assert saved == []  # I consumed what F saved
     assert torch.equal(gx, xe.grad)
+    with pytest.raises(RuntimeError if use_native else IndexError):
+        chain.backward_input(saved, g, need_input=True)  # I consumed what F saved
     assert all(p.grad is None for p in native.parameters()) or grads_exist  # nothing before W
     chain.backward_weight(work, {})
     for a, b in zip(_grads(eager), _grads(native)):
         assert torch.equal(a, b)
 
 
-def test_frozen_weights_get_no_gradient_and_the_rest_is_exact():
+@pytest.mark.parametrize("use_native", NATIVE)
+def test_frozen_weights_get_no_gradient_and_the_rest_is_exact(use_native):
     eager, native = chain_model(torch.float64), chain_model(torch.float64)
     for m in (eager, native):
         m[0].weight.requires_grad_(False)
         m[4].bias.requires_grad_(False)
     x, g = torch.randn(3, 12, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     eager(x).backward(g)
-    chain = Chain.of(native)
+    chain = Chain.of(native, use_native)
+    assert chain.usable(x)
     out, saved = chain.forward(x)
     gx, work = chain.backward_input(saved, g, need_input=False)
     assert gx is None
@@ -82,12 +95,14 @@ def test_frozen_weights_get_no_gradient_and_the_rest_is_exact():
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_fused_weight_gradients_match_within_rounding():
+@pytest.mark.parametrize("use_native", NATIVE)
+def test_fused_weight_gradients_match_within_rounding(use_native):
     eager, native = chain_model(torch.float64), chain_model(torch.float64)
     x, g = torch.randn(6, 12, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     for _ in range(2):  # None first, then accumulated into
         eager(x).backward(g)
-        chain = Chain.of(native)
+        chain = Chain.of(native, use_native)
+        assert chain.usable(x)
         out, saved = chain.forward(x)
         _, work = chain.backward_input(saved, g, need_input=False)
         chain.backward_weight(work, {}, fused=True)
@@ -154,50 +169,61 @@ def test_global_hooks_and_saved_tensor_hooks_rule_it_out():
 
 
 @pytest.fixture
-def chains_in_local_mode(monkeypatch):
-    """Local mode runs stages through autograd (the GIL: see RankExecutor);
-    forcing chains there runs the same executor code as distributed ranks
-    without processes. Counts the chain forwards."""
+def chains(monkeypatch):
+    """``chains(mode)`` sets how the Pipes built next run their chain stages:
+    "native" (the default), "python" (ops from Python, forced on in local
+    mode too, so the executor code of distributed ranks runs without
+    processes) or "eager" (no chains: autograd). Returns the list that
+    counts chain forwards."""
     calls = []
     forward = Chain.forward
 
     def counted(self, x):
-        calls.append(1)
+        calls.append(self)
         return forward(self, x)
 
     monkeypatch.setattr(Chain, "forward", counted)
 
-    def build(chains: bool):
-        def make(*args, **kwargs):
-            return executor_module.RankExecutor(*args, **{**kwargs, "chains": chains})
+    def make(*args, **kwargs):
+        return executor_module.RankExecutor(*args, **{**kwargs, "python_chains": True})
 
-        monkeypatch.setattr(pipe_module, "RankExecutor", make)
-    return build, calls
+    def set_mode(mode: str) -> list:
+        monkeypatch.setattr(executor_module, "chains_enabled", lambda: mode != "eager")
+        monkeypatch.setattr(chain_module, "native_chain",
+                            native_chain if mode == "native" else lambda: None)
+        monkeypatch.setattr(pipe_module, "RankExecutor",
+                            make if mode == "python" else executor_module.RankExecutor)
+        calls.clear()
+        return calls
+
+    return set_mode
 
 
 @pytest.mark.parametrize("schedule", names())
-def test_every_schedule_through_chains_is_bit_identical(schedule, chains_in_local_mode):
-    build, calls = chains_in_local_mode
+def test_every_schedule_through_chains_is_bit_identical(schedule, chains):
     x, y = torch.randn(12, 12), torch.randn(12, 4)
-    results = []
-    for chains in (True, False):
-        build(chains)
+    results = {}
+    for mode in ("eager", "python", "native"):
+        calls = chains(mode)
         model = chain_model()
         pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"])
         losses = [pipe.step(x, y, nn.functional.mse_loss) for _ in range(2)]
         out = pipe(x)
-        results.append((losses, _grads(model), out))
-        if chains:
-            assert len(calls) == 3 * 4 * len(pipe.schedule.stage_to_rank)  # every F ran as one
-    (la, ga, oa), (lb, gb, ob) = results
-    assert all(torch.equal(a, b) for a, b in zip(la, lb))
-    assert all(torch.equal(a, b) for a, b in zip(ga, gb))
-    assert torch.equal(oa, ob)
+        results[mode] = (losses, _grads(model), out)
+        stages = len(pipe.schedule.stage_to_rank)
+        assert len(calls) == (0 if mode == "eager" else 3 * 4 * stages)  # every F ran as one
+        assert all(c.native == (mode == "native") for c in calls)
+    la, ga, oa = results["eager"]
+    for mode in ("python", "native"):
+        lb, gb, ob = results[mode]
+        assert all(torch.equal(a, b) for a, b in zip(la, lb)), mode
+        assert all(torch.equal(a, b) for a, b in zip(ga, gb)), mode
+        assert torch.equal(oa, ob), mode
 
 
-def test_chain_stage_falls_back_per_step_and_hooks_run(chains_in_local_mode):
-    build, calls = chains_in_local_mode
-    build(True)
+@pytest.mark.parametrize("mode", ["python", "native"])
+def test_chain_stage_falls_back_per_step_and_hooks_run(chains, mode):
+    calls = chains(mode)
     model = chain_model(torch.float64)
     ref = chain_model(torch.float64)
     pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
@@ -212,9 +238,25 @@ def test_chain_stage_falls_back_per_step_and_hooks_run(chains_in_local_mode):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_chain_output_is_freed_once_sent(chains_in_local_mode, monkeypatch):
-    build, _ = chains_in_local_mode
-    build(True)
+def test_a_replaced_parameter_is_the_one_that_trains(chains):
+    chains("native")
+    model = chain_model(torch.float64)
+    pipe = Pipe(model, chunks=2, schedule="gpipe", devices=["cpu", "cpu"])
+    x, y = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe.step(x, y, nn.functional.mse_loss)
+    old = model[0].weight
+    model[0].weight = nn.Parameter(torch.zeros_like(old))
+    out = pipe(x)
+    ref = chain_model(torch.float64)
+    ref[0].weight = nn.Parameter(torch.zeros_like(old))
+    assert torch.equal(out, torch.cat([ref(a) for a in x.chunk(2)]).detach())
+    pipe.step(x, y, nn.functional.mse_loss)
+    assert model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("mode", ["python", "native"])
+def test_chain_output_is_freed_once_sent(chains, mode, monkeypatch):
+    chains(mode)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # no op saves the first output
     pipe = Pipe(model, chunks=2, schedule="gpipe", devices=["cpu", "cpu"])
     first = pipe._stages[0][0].chain

@@ -40,12 +40,14 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
 
+from fastpipe._ext import native_chain
 from fastpipe.runtime._backward import accumulate_linear_grads
 
 _aten = torch.ops.aten
@@ -68,7 +70,7 @@ def enabled() -> bool:
 class ChainWork:
     """W's share of one microbatch: each Linear with its incoming gradient and input."""
 
-    items: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]]
+    items: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] | Any  # or the native Work
 
 
 class Chain:
@@ -77,20 +79,42 @@ class Chain:
     Build it with :meth:`of`, which returns None for a stage it cannot run.
     """
 
-    def __init__(self, ops: list[tuple[int, nn.Module]], others: list[nn.Module]) -> None:
+    def __init__(self, ops: list[tuple[int, nn.Module]], others: list[nn.Module],
+                 native: bool = True) -> None:
         self.ops = ops
         # Every module whose hooks would change what the stage does.
         self._modules = [m for _, m in ops] + others
         # The containers' layers as they were: a container changed in place
         # since (a layer swapped or appended) sends the stage down the eager path.
         self._layout = [(c, tuple(c._modules.values())) for c in others if type(c) is nn.Sequential]
-        self._params = [p for _, m in ops for p in m.parameters(recurse=False)]
+        self._linears = [m for k, m in ops if k == _LINEAR]
         self._first_linear = next(i for i, (k, _) in enumerate(ops) if k == _LINEAR)
+        self._lib = native_chain() if native else None
+        self._program = None  # the native Program, built for these parameter objects
+        self._bound: list[torch.Tensor | None] = []
+
+    @property
+    def native(self) -> bool:
+        """Whether the passes run in C++ (``fastpipe._chain``), without the GIL."""
+        return self._lib is not None
+
+    def _bind(self) -> None:
+        """(Re)builds the native Program for the Linears' current parameters."""
+        self._bound = [p for m in self._linears for p in (m.weight, m.bias)]
+        self._program = self._lib.Program(
+            [k for k, _ in self.ops],
+            [m.weight if k == _LINEAR else None for k, m in self.ops],
+            [m.bias if k == _LINEAR else None for k, m in self.ops],
+            [m.approximate if k == _GELU else "" for k, m in self.ops],
+        )
 
     @classmethod
-    def of(cls, module: nn.Module) -> Chain | None:
+    def of(cls, module: nn.Module, native: bool = True) -> Chain | None:
         """The chain of ``module``, or None unless every layer is a known one
-        (and at least one is a Linear: without weights there is nothing to win)."""
+        (and at least one is a Linear: without weights there is nothing to win).
+
+        ``native``: run the passes in C++ where ``fastpipe._chain`` loads;
+        False issues the same ops from Python."""
         ops: list[tuple[int, nn.Module]] = []
         others: list[nn.Module] = []  # containers and Identity layers
 
@@ -111,7 +135,7 @@ class Chain:
 
         if not walk(module) or not any(k == _LINEAR for k, _ in ops):
             return None
-        return cls(ops, others)
+        return cls(ops, others, native)
 
     # --- when the chain may run -------------------------------------------------
 
@@ -131,7 +155,12 @@ class Chain:
             if tuple(c._modules.values()) != layers:
                 return False
         dtype, device = x.dtype, x.device
-        for p in self._params:
+        if device.type != "cpu":  # not yet run on a GPU: the eager path there
+            return False
+        params = [p for m in self._linears for p in (m.weight, m.bias)]
+        for p in params:
+            if p is None:
+                continue
             if (type(p) is not nn.Parameter and type(p) is not torch.Tensor) or p.dtype != dtype \
                     or p.device != device or not p.is_contiguous() or p.layout != torch.strided:
                 return False
@@ -141,12 +170,17 @@ class Chain:
             if g is not None and (g.dtype != dtype or g.device != device or g.shape != p.shape
                                   or g.layout != torch.strided or g.requires_grad):
                 return False
+        if self._lib is not None and (len(params) != len(self._bound)
+                                      or any(a is not b for a, b in zip(params, self._bound))):
+            self._bind()  # first use, or a parameter object was replaced
         return True
 
     # --- the passes ---------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage's output for ``x`` and what backward reads, without a graph."""
+        if self._program is not None:
+            return self._program.forward(x)
         saved = []
         with torch.no_grad():
             h = x
@@ -168,13 +202,18 @@ class Chain:
 
     def saved_bytes(self, saved: Sequence[torch.Tensor]) -> int:
         """Bytes held for backward (a tensor two ops read counts once)."""
+        if self._program is not None:
+            return self._program.saved_bytes(saved)
         seen = {id(t): t for t in saved}
         return sum(t.numel() * t.element_size() for t in seen.values())
 
     def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
                        ) -> tuple[torch.Tensor | None, ChainWork]:
         """I: the gradient of the stage input (None unless ``need_input``), and
-        what W needs. ``saved`` is emptied as it is consumed."""
+        what W needs. ``saved`` is emptied: it cannot serve twice."""
+        if self._program is not None:
+            gx, work = self._program.backward_input(saved, grad, need_input)
+            return gx, ChainWork(work)
         items = []
         g = grad
         with torch.no_grad():
@@ -211,6 +250,9 @@ class Chain:
         with one ``addmm_`` instead (``Pipe(fused_wgrad=True)``: fewer
         passes over the matrix, other rounding).
         """
+        if self._program is not None:
+            self._program.backward_weight(work.items, fused)
+            return
         items = work.items
         if fused:
             whole = [(m, g, x) for m, g, x in items

@@ -112,13 +112,13 @@ class RankExecutor:
             (``threads.autocast_state()``, read on the caller's thread):
             forwards, the loss and recomputation run under them, B, I and W
             with them off.
-        chains: stages that have a ``Chain`` run through it (see
-            ``fastpipe.runtime.chain``). Ranks on threads of one interpreter
-            want False: a chain's backward is torch ops issued one by one
-            from Python, each handing the GIL over to the other ranks'
-            threads, where autograd's engine runs a whole backward without
-            it (local 1F1B on the narrow benchmark model: 37.7 ms a step
-            with chains against 20.4 ms without).
+        python_chains: stages whose ``Chain`` is not native (``fastpipe._chain``
+            not built) run through it too, their ops issued from Python (see
+            ``fastpipe.runtime.chain``); native chains always run. Ranks on
+            threads of one interpreter want False: each op from Python hands
+            the GIL over to the other ranks' threads, where autograd's engine
+            runs a whole backward without it (local 1F1B on the narrow
+            benchmark model: 37.7 ms a step with them against 20.4 ms without).
     """
 
     def __init__(
@@ -132,10 +132,10 @@ class RankExecutor:
         keep_graphs: bool = False,
         fused_wgrad: bool = False,
         autocast: tuple[Autocast, bool] = ((), True),
-        chains: bool = True,
+        python_chains: bool = True,
     ) -> None:
         self.rank = rank
-        self.chains = chains
+        self.python_chains = python_chains
         self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
@@ -328,7 +328,9 @@ class RankExecutor:
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
         ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
-        if (stage.chain is not None and self.chains and not ckpt and not self._amp and spec is False
+        chain = stage.chain
+        if (chain is not None and (chain.native or self.python_chains) and not ckpt
+                and not self._amp and spec is False
                 and not (a.stage == 0 and self._train and leaves[0].requires_grad)
                 and stage.chain.usable(leaves[0])):
             self._forward_chain(a, stage, leaves, last)
