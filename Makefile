@@ -51,7 +51,8 @@ test: $(VENV)/.installed-test
 # Sanitizers: the host ring and buffer ring (no CUDA part) built with
 # -fsanitize=thread (make tsan) or -fsanitize=address (make asan) into
 # build/<name>, next to a copy of the Python package and the tests, which then
-# load it (conftest checks that they do). Any report makes the run fail.
+# load it (conftest checks that they do). Any report makes the run fail. The
+# copy leaves out fastpipe._chain (chain stages then take autograd, as before).
 # pytest captures at the Python level only (--capture=sys), so a sanitizer's
 # report, written to fd 2 just before it ends the process, reaches the log.
 # .ci/tsan.supp says which reports are torch's own (uninstrumented) frees.
@@ -68,7 +69,7 @@ ASAN_ENV := ASAN_OPTIONS="detect_leaks=0 halt_on_error=1 exitcode=67"
 define sanitize
 	rm -rf build/$(1) && mkdir -p build/$(1)
 	cp -r fastpipe tests build/$(1)/
-	rm -f build/$(1)/fastpipe/_C*.so
+	rm -f build/$(1)/fastpipe/_C*.so build/$(1)/fastpipe/_chain*.so
 	pids=""; for f in $(SAN_SOURCES); do \
 	  $(CXX) -std=c++17 -fPIC -fvisibility=hidden -fsanitize=$(2) -fno-omit-frame-pointer -O1 -g \
 	    $$($(PY) -m pybind11 --includes) -Icsrc -c $$f -o build/$(1)/$$(basename $$f .cpp).o & \

@@ -279,3 +279,19 @@ def test_chain_output_is_freed_once_sent(chains, mode, monkeypatch):
     monkeypatch.setattr(Chain, "backward_input", check)
     pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
     assert len(outputs) == 2 and alive_at_backward == [False, False]
+
+
+def test_a_patched_forward_or_an_active_mode_runs_eager(monkeypatch):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    chain = Chain.of(chain_model())
+    x = torch.randn(2, 12)
+    with FlopCounterMode(display=False):
+        assert not chain.usable(x)
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, inp: inp)
+    assert not chain.usable(x)
+    monkeypatch.undo()
+    monkeypatch.setattr(nn.functional, "gelu", lambda inp, approximate="none": inp)
+    assert not chain.usable(x)
+    monkeypatch.undo()
+    assert chain.usable(x)

@@ -14,6 +14,7 @@ from torch import nn
 from fastpipe import Pipe
 from fastpipe.runtime import _backward
 from fastpipe.runtime._backward import backward_fused, backward_input, backward_weight
+from fastpipe.runtime.chain import Chain
 from fastpipe.schedules import names
 from tests.models import embedding_model, reference, tuple_model
 
@@ -86,15 +87,23 @@ def _check(model_fn, x, y, schedule, ranks=2, chunks=4, balance=None, rtol=1e-10
 
 @pytest.fixture
 def count_native(monkeypatch):
-    """How many Linears went through the native accumulation."""
+    """How many Linears went through the fused accumulation (the graph's, or
+    a chain stage's: see fastpipe.runtime.chain)."""
     seen = []
     real = _backward._accumulate_linears
+    chain_w = Chain.backward_weight
 
     def counted(pairs):
         seen.extend(pairs)
         return real(pairs)
 
+    def counted_chain(self, work, workspace, fused=False):
+        if fused:
+            seen.append(work)
+        return chain_w(self, work, workspace, fused)
+
     monkeypatch.setattr(_backward, "_accumulate_linears", counted)
+    monkeypatch.setattr(Chain, "backward_weight", counted_chain)
     return seen
 
 

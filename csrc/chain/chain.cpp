@@ -177,15 +177,11 @@ class Program {
     work.items.clear();
   }
 
-  // Bytes a forward keeps (a tensor two ops read counts once).
+  // Bytes a forward keeps, counted as autograd's saved-tensor hooks count
+  // them (a tensor two ops save counts twice), so both paths report alike.
   std::int64_t saved_bytes(const Saved& saved) const {
     std::int64_t total = 0;
-    for (std::size_t i = 0; i < saved.tensors.size(); ++i) {
-      const at::Tensor& t = saved.tensors[i];
-      bool seen = false;
-      for (std::size_t j = 0; j < i && !seen; ++j) seen = saved.tensors[j].is_same(t);
-      if (!seen) total += static_cast<std::int64_t>(t.numel() * t.element_size());
-    }
+    for (const at::Tensor& t : saved.tensors) total += static_cast<std::int64_t>(t.numel() * t.element_size());
     return total;
   }
 

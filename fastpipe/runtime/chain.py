@@ -26,13 +26,18 @@ eager path (tests/test_chain.py). The I/W split comes for free: I keeps each
 Linear's incoming gradient and input, W consumes them.
 
 What would make the chain differ from eager autograd sends the stage down
-the eager path instead, checked at every forward (:meth:`Chain.usable`):
+the eager path instead, checked at the start of each step (:meth:`Chain.ready`)
+and for each microbatch's input (:meth:`Chain.accepts`):
 any module hook (global or on a layer), a tensor hook or post-accumulate
-hook on a parameter, a non-2-D or non-contiguous input, a dtype or device
-that differs from the weights', active saved-tensor hooks (offloading,
-``torch.utils.checkpoint``). The executor itself keeps the eager path for
-autocast, activation checkpointing and a first stage whose input needs a
-gradient. ``FASTPIPE_CHAIN=0`` in the environment turns chains off.
+hook on a parameter, a patched ``forward`` or functional, an active torch
+function or dispatch mode, active saved-tensor hooks (offloading,
+``torch.utils.checkpoint``), GPU tensors (not run on a GPU yet), a non-2-D
+or non-contiguous input, a dtype that differs from the weights'. The
+executor itself keeps the eager path for autocast, activation checkpointing
+and a first stage whose input needs a gradient. ``FASTPIPE_CHAIN=0`` in the
+environment turns chains off; ``fastpipe._chain`` (C++, see
+``csrc/chain/chain.cpp``) runs them without the GIL where it was built, and
+the ops are issued from Python otherwise.
 """
 
 from __future__ import annotations
@@ -59,6 +64,18 @@ _KINDS = {nn.Linear: _LINEAR, nn.GELU: _GELU, nn.SiLU: _SILU, nn.ReLU: _RELU, nn
 _SAVES_OUTPUT = {_RELU, _TANH, _SIGMOID}
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
+# What eager calls, as it was at import: a layer's forward, nn.Module's call,
+# the functions those forwards call. Patched (by a quantization library, a
+# test, a profiler), the eager path is what runs the patch.
+_ORIGINALS = [(cls, "forward", cls.forward) for cls in _KINDS] + [
+    (nn.Module, "__call__", nn.Module.__call__), (nn.Module, "_call_impl", nn.Module._call_impl),
+    (F, "linear", F.linear), (F, "gelu", F.gelu), (F, "silu", F.silu), (F, "relu", F.relu),
+    (torch, "relu", torch.relu), (torch, "tanh", torch.tanh), (torch, "sigmoid", torch.sigmoid),
+]
+
+
+def _patched() -> bool:
+    return any(getattr(owner, name) is not original for owner, name, original in _ORIGINALS)
 
 
 def enabled() -> bool:
@@ -89,6 +106,7 @@ class Chain:
         self._layout = [(c, tuple(c._modules.values())) for c in others if type(c) is nn.Sequential]
         self._linears = [m for k, m in ops if k == _LINEAR]
         self._first_linear = next(i for i, (k, _) in enumerate(ops) if k == _LINEAR)
+        self._dtype: torch.dtype | None = None  # set by ready(): the step's dtype
         self._lib = native_chain() if native else None
         self._program = None  # the native Program, built for these parameter objects
         self._bound: list[torch.Tensor | None] = []
@@ -141,39 +159,57 @@ class Chain:
 
     def usable(self, x: torch.Tensor) -> bool:
         """True when running ``x`` through the chain does exactly what
-        autograd would: see the module docstring for what rules it out."""
-        if type(x) is not torch.Tensor or x.dim() != 2 or not x.is_contiguous() or x.is_sparse:
-            return False
-        if any(getattr(_module, name) for name in _GLOBAL_HOOKS):
+        autograd would: ``ready() and accepts(x)``."""
+        return self.ready() and self.accepts(x)
+
+    def ready(self) -> bool:
+        """What does not change between the microbatches of a step (checked
+        once a step: on the narrow benchmark stage these checks cost 75 us,
+        a third of the native forward): no hooks anywhere they could run
+        (module, global, parameter, saved-tensor), no torch function or
+        dispatch mode, no patched forward, the layers as they were,
+        CPU parameters of one dtype, dense and contiguous, with ``.grad``
+        None or alike. Binds the native program to the current parameters."""
+        self._dtype = None
+        if any(getattr(_module, name) for name in _GLOBAL_HOOKS) or _patched():
             return False
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             return False
+        if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
+            return False  # a mode (FlopCounterMode, fake tensors ...) sees eager's ops
         for m in self._modules:
             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
                 return False
         for c, layers in self._layout:
             if tuple(c._modules.values()) != layers:
                 return False
-        dtype, device = x.dtype, x.device
-        if device.type != "cpu":  # not yet run on a GPU: the eager path there
-            return False
         params = [p for m in self._linears for p in (m.weight, m.bias)]
+        dtype = self._linears[0].weight.dtype
         for p in params:
             if p is None:
                 continue
+            # CPU only: the GPU path of chains has not run yet (eager there).
             if (type(p) is not nn.Parameter and type(p) is not torch.Tensor) or p.dtype != dtype \
-                    or p.device != device or not p.is_contiguous() or p.layout != torch.strided:
+                    or not p.is_cpu or not p.is_contiguous() or p.layout != torch.strided:
                 return False
             if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks is not None):
                 return False
             g = p.grad
-            if g is not None and (g.dtype != dtype or g.device != device or g.shape != p.shape
+            if g is not None and (g.dtype != dtype or not g.is_cpu or g.shape != p.shape
                                   or g.layout != torch.strided or g.requires_grad):
                 return False
         if self._lib is not None and (len(params) != len(self._bound)
                                       or any(a is not b for a, b in zip(params, self._bound))):
             self._bind()  # first use, or a parameter object was replaced
+        self._dtype = dtype
         return True
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        """Whether the chain takes this microbatch, after ``ready()`` said
+        True this step: a plain, dense, contiguous 2-D CPU tensor of the
+        weights' dtype (the layouts the ops above reproduce exactly)."""
+        return (type(x) is torch.Tensor and x.dtype is self._dtype and x.dim() == 2
+                and x.is_cpu and x.layout is torch.strided and x.is_contiguous())
 
     # --- the passes ---------------------------------------------------------------
 
@@ -201,11 +237,13 @@ class Chain:
         return h, saved
 
     def saved_bytes(self, saved: Sequence[torch.Tensor]) -> int:
-        """Bytes held for backward (a tensor two ops read counts once)."""
+        """Bytes held for backward, counted as autograd's saved-tensor hooks
+        count them (a tensor two ops save counts twice; see
+        ``fastpipe.runtime.memory``), so memory stats and the planner's
+        profile read the same whichever path ran."""
         if self._program is not None:
             return self._program.saved_bytes(saved)
-        seen = {id(t): t for t in saved}
-        return sum(t.numel() * t.element_size() for t in seen.values())
+        return sum(t.numel() * t.element_size() for t in saved)
 
     def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
                        ) -> tuple[torch.Tensor | None, ChainWork]:

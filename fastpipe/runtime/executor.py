@@ -184,6 +184,11 @@ class RankExecutor:
         self._results: dict[int, Any] = {}
         self._held: dict[tuple[int, int], list] = {}  # received buffers in use
         self._sent: set[tuple[str, int, int]] = set()
+        # The stages that run as chains this step (see fastpipe.runtime.chain).
+        self._chains = set() if self._amp else {
+            i for i, st in self.stages.items()
+            if st.chain is not None and (st.chain.native or self.python_chains) and st.chain.ready()
+        }
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
         if self._ahead:
@@ -328,11 +333,9 @@ class RankExecutor:
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
         ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
-        chain = stage.chain
-        if (chain is not None and (chain.native or self.python_chains) and not ckpt
-                and not self._amp and spec is False
+        if (a.stage in self._chains and not ckpt and spec is False
                 and not (a.stage == 0 and self._train and leaves[0].requires_grad)
-                and stage.chain.usable(leaves[0])):
+                and stage.chain.accepts(leaves[0])):
             self._forward_chain(a, stage, leaves, last)
             return
         shape_key = ("F", ckpt, *[(t.shape, t.dtype) for t in leaves]) if self._train else None
@@ -377,15 +380,24 @@ class RankExecutor:
             return
         start = self._saved_bytes.total
         self._saved_bytes.total += stage.chain.saved_bytes(kept)
-        self._count((a.stage, mb), start)
         out.requires_grad_()
         if last:
-            loss = self._loss(mb, out)
+            # The loss's graph is autograd's: counted as an eager forward's is.
+            shape_key = ("L", out.shape, out.dtype)
+            known = stage.saved_bytes.get(shape_key)
+            before = self._saved_bytes.total
+            with self._saved_bytes.counting() if known is None else nullcontext():
+                loss = self._loss(mb, out)
+            if known is None:
+                stage.saved_bytes[shape_key] = self._saved_bytes.total - before
+            else:
+                self._saved_bytes.total += known
             self._results[mb] = loss.detach()
-            saved = _Saved([loss / self.schedule.microbatches], leaves, [None], chain=kept, out=out)
+            saved = _Saved([loss], leaves, [self._seed(loss)], chain=kept, out=out)
         else:
             self._deliver(("F", a.stage + 1, mb), a.stage + 1, ([out], False))
             saved = _Saved([], leaves, chain=kept)
+        self._count((a.stage, mb), start)
         self._saved[(a.stage, mb)] = saved
 
     def _chain_input(self, a: Action, saved: _Saved) -> ChainWork:
@@ -405,7 +417,7 @@ class RankExecutor:
         return autocast(self._amp, self._amp_cache) if self._amp else nullcontext()
 
     def _loss(self, mb: int, out: Value) -> torch.Tensor:
-        """The scaled loss of one microbatch (its mean over microbatches)."""
+        """The loss of one microbatch, as a 0-dim tensor (``_seed`` scales its gradient)."""
         target = self._targets[mb]
         device = self.stages[self.schedule.stages - 1].device
         target = tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
@@ -413,15 +425,21 @@ class RankExecutor:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-        return loss.reshape(())
+        return loss if loss.dim() == 0 else loss.reshape(())
+
+    def _seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The gradient backward starts a microbatch's loss from: 1/m, the
+        step's mean (what a division of the loss by m would pass on, without
+        the op and its node)."""
+        return torch.full_like(loss, 1 / self.schedule.microbatches)
 
     def _finish_forward(self, mb, out, loss, leaves, rng, spec) -> None:
         if not self._train:
             self._results[mb] = out
             return
         self._results[mb] = loss.detach()
-        roots = [] if rng is not None else [loss / self.schedule.microbatches]
-        self._saved[(self.schedule.stages - 1, mb)] = _Saved(roots, leaves, [None], rng, spec)
+        roots, grads = ([], [None]) if rng is not None else ([loss], [self._seed(loss)])
+        self._saved[(self.schedule.stages - 1, mb)] = _Saved(roots, leaves, grads, rng, spec)
 
     def _recompute(self, stage_index: int, mb: int, saved: _Saved) -> None:
         """A checkpointed microbatch: its forward again, now keeping the graph."""
@@ -434,7 +452,8 @@ class RankExecutor:
                 self._autocast():
             out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
-                saved.roots = [self._loss(mb, out) / self.schedule.microbatches]
+                loss = self._loss(mb, out)
+                saved.roots, saved.grads = [loss], [self._seed(loss)]
             else:
                 tensors, _ = flatten(out)
                 saved.roots = [get_gradient_edge(t) for t in tensors if needs_grad(t)]
