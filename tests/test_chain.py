@@ -295,3 +295,12 @@ def test_a_patched_forward_or_an_active_mode_runs_eager(monkeypatch):
     assert not chain.usable(x)
     monkeypatch.undo()
     assert chain.usable(x)
+
+
+def test_a_weight_two_linears_share_runs_eager():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model[2].weight = model[0].weight
+    chain = Chain.of(model)
+    assert not chain.usable(torch.randn(2, 4))
+    shared = nn.Linear(4, 4)
+    assert not Chain.of(nn.Sequential(shared, nn.ReLU(), shared)).usable(torch.randn(2, 4))

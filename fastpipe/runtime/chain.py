@@ -167,7 +167,8 @@ class Chain:
         once a step: on the narrow benchmark stage these checks cost 75 us,
         a third of the native forward): no hooks anywhere they could run
         (module, global, parameter, saved-tensor), no torch function or
-        dispatch mode, no patched forward, the layers as they were,
+        dispatch mode, no patched forward, the layers as they were, no
+        parameter used by two Linears,
         CPU parameters of one dtype, dense and contiguous, with ``.grad``
         None or alike. Binds the native program to the current parameters."""
         self._dtype = None
@@ -184,6 +185,11 @@ class Chain:
             if tuple(c._modules.values()) != layers:
                 return False
         params = [p for m in self._linears for p in (m.weight, m.bias)]
+        present = [p for p in params if p is not None]
+        if len({id(p) for p in present}) != len(present):
+            # A weight two Linears share: autograd sums its two gradients
+            # before adding them to .grad, a chain would add them in turn.
+            return False
         dtype = self._linears[0].weight.dtype
         for p in params:
             if p is None:
