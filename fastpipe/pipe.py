@@ -595,7 +595,11 @@ class Pipe(nn.Module):
 
     def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool) -> dict[int, Any]:
         if self.distributed:
-            self._finish_loss_broadcast()
+            try:
+                self._finish_loss_broadcast()
+            except BaseException as exc:  # the last step's end failed: the group is out of step
+                self._broken = exc
+                raise
             transport = self._transport(self.rank, None)
             transport.all_actions = schedule.actions  # exact messages follow the senders' order
             executor = RankExecutor(self.rank, schedule, self._stages[self.rank], transport,
@@ -702,7 +706,7 @@ class Pipe(nn.Module):
             self._finish_loss_broadcast()
             self._loss_broadcast = (dist.broadcast(packed, src=src, group=self.group,
                                                    async_op=True), packed)
-            return loss
+            return packed[0].to(_LOSS_DTYPES[int(code)])  # what the others get (read only)
         dist.broadcast(packed, src=src, group=self.group)
         return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
 
@@ -715,11 +719,12 @@ class Pipe(nn.Module):
 
     def close(self) -> None:
         """Stops the pipe's lanes of the native ring (also done at interpreter exit)."""
-        if self._loss_broadcast is not None:
+        try:
             self._finish_loss_broadcast()
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        finally:
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
 
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "

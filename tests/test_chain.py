@@ -3,6 +3,7 @@ bit for bit what autograd computes, and the eager path wherever they could diffe
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import pytest
@@ -304,3 +305,91 @@ def test_a_weight_two_linears_share_runs_eager():
     assert not chain.usable(torch.randn(2, 4))
     shared = nn.Linear(4, 4)
     assert not Chain.of(nn.Sequential(shared, nn.ReLU(), shared)).usable(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("mode", ["python", "native"])
+def test_frozen_first_stage_sends_no_gradient_back(chains, mode):
+    calls = chains(mode)
+    model = chain_model(torch.float64)
+    ref = chain_model(torch.float64)
+    pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+    first = pipe._stages[0][0].module
+    for m in (first, ref[: len(first)]):
+        m.requires_grad_(False)
+    x, y = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe.step(x, y, nn.functional.mse_loss)
+    assert len(calls) == 4  # both stages ran as chains
+    sum(nn.functional.mse_loss(ref(a), b) for a, b in zip(x.chunk(2), y.chunk(2))).div(2).backward()
+    for a, b in zip(_grads(ref), _grads(model)):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert all(p.grad is None for p in first.parameters())
+
+
+def test_what_a_chain_would_get_wrong_is_refused():
+    x = torch.randn(2, 4)
+    complex_model = nn.Sequential(nn.Linear(4, 3, dtype=torch.complex64))
+    assert not Chain.of(complex_model).usable(x.to(torch.complex64))  # autograd conjugates
+    derived = nn.Sequential(nn.Linear(4, 3))
+    base = nn.Parameter(torch.randn(3, 4))
+    del derived[0].weight
+    derived[0].weight = base * 1.0  # not a leaf: its gradient belongs to `base`
+    assert not Chain.of(derived).usable(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Anomaly Detection has been enabled"
+        with torch.autograd.detect_anomaly(check_nan=True):
+            assert not Chain.of(chain_model()).usable(torch.randn(2, 12))
+
+
+def test_hooks_on_an_accumulate_grad_node_keep_autograd(chains):
+    calls = chains("native")
+    model = chain_model(torch.float64)
+    pipe = Pipe(model, chunks=2, schedule="gpipe", devices=["cpu", "cpu"])
+    acc = model[0].weight.expand_as(model[0].weight).grad_fn.next_functions[0][0]
+    fired = []
+    acc.register_hook(lambda *args: fired.append(1))
+    x, y = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe.step(x, y, nn.functional.mse_loss)
+    assert fired == [1, 1]  # the engine ran them, once per microbatch
+    assert {c for c in calls} == {pipe._stages[1][1].chain}  # only the other stage was a chain
+
+
+def test_gelu_mode_changed_between_steps_is_followed(chains):
+    chains("native")
+    model = chain_model(torch.float64)
+    pipe = Pipe(model, chunks=2, schedule="gpipe", devices=["cpu", "cpu"])
+    x = torch.randn(4, 12, dtype=torch.float64)
+    pipe(x)
+    model[1].approximate = "tanh"
+    assert torch.equal(pipe(x), torch.cat([model(a) for a in x.chunk(2)]).detach())
+
+
+def test_parameters_can_be_swapped_after_a_step(chains):
+    chains("native")
+    model = chain_model(torch.float32)
+    pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+    x, y = torch.randn(4, 12), torch.randn(4, 4)
+    pipe.step(x, y, nn.functional.mse_loss)
+    for m in model.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            p.grad = None
+            torch.utils.swap_tensors(p, nn.Parameter(p.detach().double()))
+    pipe.step(x.double(), y.double(), nn.functional.mse_loss)
+    assert model[0].weight.grad.dtype == torch.float64
+
+
+def test_loss_fn_may_change_its_input_in_place(chains):
+    calls = chains("native")
+    model = chain_model(torch.float64)
+    ref = chain_model(torch.float64)
+    pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+
+    def loss_fn(out, target):
+        out.mul_(2.0)  # fine after a Linear in eager autograd
+        return nn.functional.mse_loss(out, target)
+
+    x, y = torch.randn(4, 12, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe.step(x, y, loss_fn)
+    assert len(calls) == 4
+    sum(loss_fn(ref(a), b) for a, b in zip(x.chunk(2), y.chunk(2))).div(2).backward()
+    for a, b in zip(_grads(ref), _grads(model)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -12,6 +12,7 @@
 //
 // Built only where torch's headers are at build time (setup.py); fastpipe
 // falls back to chain.py's ops when this module does not load.
+#include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -200,6 +201,24 @@ class Program {
   std::vector<at::Tensor> buffers_;
 };
 
+// Whether any of these parameters has a gradient accumulator that carries
+// hooks (registered on the AccumulateGrad node: DDP's reducer, a
+// `p.expand_as(p).grad_fn.next_functions[0][0].register_hook(...)`). Python
+// cannot see those; a chain, which accumulates by hand, would skip them.
+// Only an accumulator that is alive is looked at: one is made fresh for
+// every graph and no hooks can sit on a node nobody holds.
+bool accumulator_hooked(const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    if (!p.defined() || !p.requires_grad()) continue;
+    auto acc = torch::autograd::impl::try_get_grad_accumulator(p);
+    if (acc && (!acc->pre_hooks().empty() || !acc->post_hooks().empty() ||
+                !acc->tensor_pre_hooks().empty() || !acc->retains_grad_hooks().empty())) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 }  // namespace fastpipe
 
@@ -207,6 +226,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Chains of Linears and activations: forward, I and W without autograd or the GIL.";
   namespace py = pybind11;
   using fastpipe::Program, fastpipe::Saved, fastpipe::Work;
+  m.def("accumulator_hooked", &fastpipe::accumulator_hooked, py::arg("params"),
+        "Whether a live AccumulateGrad node of one of these parameters carries hooks.");
   py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved");
   py::class_<Work, std::shared_ptr<Work>>(m, "Work");
   py::class_<Program>(m, "Program")

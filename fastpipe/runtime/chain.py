@@ -57,11 +57,11 @@ from fastpipe.runtime._backward import accumulate_linear_grads
 
 _aten = torch.ops.aten
 
-# Op codes, and which tensor each op's backward reads: its input or its output.
+# Op codes (csrc/chain/chain.cpp uses the same numbers).
 _LINEAR, _GELU, _SILU, _RELU, _TANH, _SIGMOID = range(6)
 _KINDS = {nn.Linear: _LINEAR, nn.GELU: _GELU, nn.SiLU: _SILU, nn.ReLU: _RELU, nn.Tanh: _TANH,
           nn.Sigmoid: _SIGMOID}
-_SAVES_OUTPUT = {_RELU, _TANH, _SIGMOID}
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 # What eager calls, as it was at import: a layer's forward, nn.Module's call,
@@ -107,9 +107,9 @@ class Chain:
         self._linears = [m for k, m in ops if k == _LINEAR]
         self._first_linear = next(i for i, (k, _) in enumerate(ops) if k == _LINEAR)
         self._dtype: torch.dtype | None = None  # set by ready(): the step's dtype
+        self.trains = True  # set by ready(): some parameter wants a gradient
         self._lib = native_chain() if native else None
-        self._program = None  # the native Program, built for these parameter objects
-        self._bound: list[torch.Tensor | None] = []
+        self._program = None  # the native Program, bound for one step (ready .. unbind)
 
     @property
     def native(self) -> bool:
@@ -117,14 +117,22 @@ class Chain:
         return self._lib is not None
 
     def _bind(self) -> None:
-        """(Re)builds the native Program for the Linears' current parameters."""
-        self._bound = [p for m in self._linears for p in (m.weight, m.bias)]
+        """Builds the native Program for the layers as they are now."""
         self._program = self._lib.Program(
             [k for k, _ in self.ops],
             [m.weight if k == _LINEAR else None for k, m in self.ops],
             [m.bias if k == _LINEAR else None for k, m in self.ops],
             [m.approximate if k == _GELU else "" for k, m in self.ops],
         )
+
+    def unbind(self) -> None:
+        """Drops the native Program, and with it its references to the
+        parameters, so that between steps nothing but the model holds them
+        (``torch.utils.swap_tensors``, as ``module.to()`` and
+        ``load_state_dict`` may use, refuses tensors referenced elsewhere).
+        The executor calls it at the end of every step."""
+        self._program = None
+        self._dtype = None
 
     @classmethod
     def of(cls, module: nn.Module, native: bool = True) -> Chain | None:
@@ -163,14 +171,16 @@ class Chain:
         return self.ready() and self.accepts(x)
 
     def ready(self) -> bool:
-        """What does not change between the microbatches of a step (checked
-        once a step: on the narrow benchmark stage these checks cost 75 us,
+        """What does not change between the microbatches of a step, checked
+        once a step (on the narrow benchmark stage these checks cost 75 us,
         a third of the native forward): no hooks anywhere they could run
-        (module, global, parameter, saved-tensor), no torch function or
-        dispatch mode, no patched forward, the layers as they were, no
-        parameter used by two Linears,
-        CPU parameters of one dtype, dense and contiguous, with ``.grad``
-        None or alike. Binds the native program to the current parameters."""
+        (module, global, parameter, its AccumulateGrad node, saved-tensor),
+        no torch function or dispatch mode, no anomaly detection, no
+        patched forward, the layers as they were, no parameter used by two
+        Linears, leaf CPU parameters of one real floating dtype, dense and
+        contiguous, with ``.grad`` None or alike. Then binds the native
+        program to the layers as they are (``unbind`` drops it)."""
+        self._program = None
         self._dtype = None
         if any(getattr(_module, name) for name in _GLOBAL_HOOKS) or _patched():
             return False
@@ -178,11 +188,16 @@ class Chain:
             return False
         if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
             return False  # a mode (FlopCounterMode, fake tensors ...) sees eager's ops
+        if torch.is_anomaly_enabled():
+            return False  # anomaly mode checks each backward node's outputs
         for m in self._modules:
             if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
                 return False
         for c, layers in self._layout:
             if tuple(c._modules.values()) != layers:
+                return False
+        for k, m in self.ops:
+            if k == _GELU and m.approximate not in ("none", "tanh"):
                 return False
         params = [p for m in self._linears for p in (m.weight, m.bias)]
         present = [p for p in params if p is not None]
@@ -191,12 +206,13 @@ class Chain:
             # before adding them to .grad, a chain would add them in turn.
             return False
         dtype = self._linears[0].weight.dtype
-        for p in params:
-            if p is None:
-                continue
+        if dtype not in _DTYPES:
+            return False  # complex weights: autograd's formulas conjugate
+        for p in present:
             # CPU only: the GPU path of chains has not run yet (eager there).
-            if (type(p) is not nn.Parameter and type(p) is not torch.Tensor) or p.dtype != dtype \
-                    or not p.is_cpu or not p.is_contiguous() or p.layout != torch.strided:
+            if (type(p) is not nn.Parameter and type(p) is not torch.Tensor) or not p.is_leaf \
+                    or p.dtype != dtype or not p.is_cpu or not p.is_contiguous() \
+                    or p.layout != torch.strided:
                 return False
             if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks is not None):
                 return False
@@ -204,10 +220,13 @@ class Chain:
             if g is not None and (g.dtype != dtype or not g.is_cpu or g.shape != p.shape
                                   or g.layout != torch.strided or g.requires_grad):
                 return False
-        if self._lib is not None and (len(params) != len(self._bound)
-                                      or any(a is not b for a, b in zip(params, self._bound))):
-            self._bind()  # first use, or a parameter object was replaced
+        hooks = native_chain()
+        if hooks is not None and hooks.accumulator_hooked(present):
+            return False
+        if self._lib is not None:
+            self._bind()
         self._dtype = dtype
+        self.trains = any(p.requires_grad for p in present)
         return True
 
     def accepts(self, x: torch.Tensor) -> bool:
@@ -294,6 +313,8 @@ class Chain:
         with one ``addmm_`` instead (``Pipe(fused_wgrad=True)``: fewer
         passes over the matrix, other rounding).
         """
+        if isinstance(work.items, list) and not work.items:
+            return  # nothing wanted a gradient (the executor's empty work)
         if self._program is not None:
             self._program.backward_weight(work.items, fused)
             return

@@ -206,6 +206,9 @@ class RankExecutor:
         except BaseException as exc:
             self.transport.fail(exc, self._unsent())
             raise
+        finally:
+            for i in self._chains:  # no reference to the parameters outlives the step
+                self.stages[i].chain.unbind()
         leftovers = [
             name for name in ("_saved", "_weights", "_outbox", "_pending", "_local", "_held")
             if getattr(self, name)
@@ -380,14 +383,18 @@ class RankExecutor:
             return
         start = self._saved_bytes.total
         self._saved_bytes.total += stage.chain.saved_bytes(kept)
-        out.requires_grad_()
+        # What autograd's output would say: a gradient comes back for it only
+        # where something before it (a weight, the input) wants one.
+        out.requires_grad_(leaves[0].requires_grad or stage.chain.trains)
         if last:
             # The loss's graph is autograd's: counted as an eager forward's is.
             shape_key = ("L", out.shape, out.dtype)
             known = stage.saved_bytes.get(shape_key)
             before = self._saved_bytes.total
             with self._saved_bytes.counting() if known is None else nullcontext():
-                loss = self._loss(mb, out)
+                # A copy, not the leaf itself: loss_fn may change its input in
+                # place, as it may autograd's output of a layer (exact, ~3 us).
+                loss = self._loss(mb, out.clone() if out.requires_grad else out)
             if known is None:
                 stage.saved_bytes[shape_key] = self._saved_bytes.total - before
             else:
@@ -406,8 +413,11 @@ class RankExecutor:
             backward_full(saved.roots, saved.grads, self.keep_graphs)
             grad = saved.out.grad
         else:
-            grad = saved.grads[0]
+            grad = saved.grads[0] if saved.grads else None
         x = saved.leaves[0]
+        if grad is None:  # the output needed no gradient: nothing before it does
+            self._send_input_grads(a.stage, a.microbatch, saved.leaves, [None])
+            return ChainWork([])
         need = a.stage > 0 and x.requires_grad
         gx, work = self.stages[a.stage].chain.backward_input(saved.chain, grad, need)
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [gx])
