@@ -6,8 +6,8 @@ walks them, packs and unpacks saved tensors and accumulates each gradient
 through an AccumulateGrad node; an I/W split adds a Python graph analysis
 per microbatch on top. For a stage of 4 MLP blocks (d=128, 16 microbatches
 of 4 rows, one thread), forward plus backward over the microbatches took
-13.0-13.4 ms through autograd and 9.4-9.5 ms issued as the same aten ops
-by hand. So when every layer of a stage is one this module knows (exact
+15.0-15.4 ms through autograd, 12.3-12.5 ms as the same aten ops issued from
+Python and 9.1-9.8 ms issued from C++ (``fastpipe._chain``). So when every layer of a stage is one this module knows (exact
 types: ``nn.Linear``, ``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, ``nn.Tanh``,
 ``nn.Sigmoid``, ``nn.Identity``, nested plain ``nn.Sequential``), the
 executor runs it as a :class:`Chain`:
@@ -29,10 +29,13 @@ What would make the chain differ from eager autograd sends the stage down
 the eager path instead, checked at the start of each step (:meth:`Chain.ready`)
 and for each microbatch's input (:meth:`Chain.accepts`):
 any module hook (global or on a layer), a tensor hook or post-accumulate
-hook on a parameter, a patched ``forward`` or functional, an active torch
-function or dispatch mode, active saved-tensor hooks (offloading,
-``torch.utils.checkpoint``), GPU tensors (not run on a GPU yet), a non-2-D
-or non-contiguous input, a dtype that differs from the weights'. The
+hook on a parameter, a hook on its AccumulateGrad node (seen only where
+``fastpipe._chain`` is built), a patched ``forward`` or functional, an
+active torch function or dispatch mode, anomaly detection, active
+saved-tensor hooks (offloading, ``torch.utils.checkpoint``), a weight two
+Linears share, a non-leaf or complex weight, GPU tensors (not run on a GPU
+yet), a non-2-D or non-contiguous input, a dtype that differs from the
+weights'. The
 executor itself keeps the eager path for autocast, activation checkpointing
 and a first stage whose input needs a gradient. ``FASTPIPE_CHAIN=0`` in the
 environment turns chains off; ``fastpipe._chain`` (C++, see
