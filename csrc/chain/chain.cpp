@@ -65,23 +65,43 @@ void accumulate(const at::Tensor& p, const at::Tensor& fresh) {
   }
 }
 
+// A stage's ops. The structure and W's buffers stay for the stage's life;
+// the parameters are bound for one step (bind .. unbind), so that between
+// steps nothing here holds them (torch.utils.swap_tensors needs that).
 class Program {
  public:
-  Program(const std::vector<std::int64_t>& kinds, const std::vector<std::optional<at::Tensor>>& weights,
-          const std::vector<std::optional<at::Tensor>>& biases, const std::vector<std::string>& approximate) {
-    TORCH_CHECK(kinds.size() == weights.size() && kinds.size() == biases.size() &&
-                    kinds.size() == approximate.size(),
-                "kinds, weights, biases and approximate need one entry per op");
+  explicit Program(const std::vector<std::int64_t>& kinds) {
     for (std::size_t i = 0; i < kinds.size(); ++i) {
       TORCH_CHECK(kinds[i] >= kLinear && kinds[i] <= kSigmoid, "unknown op code ", kinds[i]);
-      TORCH_CHECK(kinds[i] != kLinear || weights[i].has_value(), "op ", i, ": a Linear needs its weight");
-      ops_.push_back(Op{kinds[i], weights[i].value_or(at::Tensor()), biases[i], approximate[i]});
+      ops_.push_back(Op{kinds[i], at::Tensor(), std::nullopt, ""});
       if (kinds[i] == kLinear && first_linear_ < 0) first_linear_ = static_cast<std::int64_t>(i);
     }
     TORCH_CHECK(first_linear_ >= 0, "a chain needs a Linear");
   }
 
+  void bind(const std::vector<std::optional<at::Tensor>>& weights, const std::vector<std::optional<at::Tensor>>& biases,
+            const std::vector<std::string>& approximate) {
+    TORCH_CHECK(weights.size() == ops_.size() && biases.size() == ops_.size() && approximate.size() == ops_.size(),
+                "weights, biases and approximate need one entry per op");
+    for (std::size_t i = 0; i < ops_.size(); ++i) {
+      TORCH_CHECK(ops_[i].kind != kLinear || weights[i].has_value(), "op ", i, ": a Linear needs its weight");
+      ops_[i].weight = weights[i].value_or(at::Tensor());
+      ops_[i].bias = biases[i];
+      ops_[i].approximate = approximate[i];
+    }
+    bound_ = true;
+  }
+
+  void unbind() {
+    for (Op& op : ops_) {
+      op.weight = at::Tensor();
+      op.bias = std::nullopt;
+    }
+    bound_ = false;
+  }
+
   std::pair<at::Tensor, std::shared_ptr<Saved>> forward(const at::Tensor& x) const {
+    TORCH_CHECK(bound_, "no parameters bound: call bind first");
     auto saved = std::make_shared<Saved>();
     at::Tensor h;
     {
@@ -115,6 +135,7 @@ class Program {
   // I: the gradient of the stage input (None unless need_input) and W's share.
   std::pair<std::optional<at::Tensor>, std::shared_ptr<Work>> backward_input(Saved& saved, const at::Tensor& grad,
                                                                              bool need_input) const {
+    TORCH_CHECK(bound_, "no parameters bound: call bind first");
     TORCH_CHECK(saved.tensors.size() == ops_.size(), "this forward's tensors were used already");
     auto work = std::make_shared<Work>();
     std::optional<at::Tensor> out;
@@ -156,6 +177,7 @@ class Program {
 
   // W: each Linear's weight and bias gradient into .grad; fused: one addmm_.
   void backward_weight(Work& work, bool fused) {
+    TORCH_CHECK(bound_ || work.items.empty(), "no parameters bound: call bind first");
     {
       py::gil_scoped_release nogil;
       at::NoGradGuard no_grad;
@@ -198,6 +220,7 @@ class Program {
 
   std::vector<Op> ops_;
   std::int64_t first_linear_ = -1;
+  bool bound_ = false;
   std::vector<at::Tensor> buffers_;
 };
 
@@ -231,9 +254,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved");
   py::class_<Work, std::shared_ptr<Work>>(m, "Work");
   py::class_<Program>(m, "Program")
-      .def(py::init<const std::vector<std::int64_t>&, const std::vector<std::optional<at::Tensor>>&,
-                    const std::vector<std::optional<at::Tensor>>&, const std::vector<std::string>&>(),
-           py::arg("kinds"), py::arg("weights"), py::arg("biases"), py::arg("approximate"))
+      .def(py::init<const std::vector<std::int64_t>&>(), py::arg("kinds"))
+      .def("bind", &Program::bind, py::arg("weights"), py::arg("biases"), py::arg("approximate"))
+      .def("unbind", &Program::unbind)
       .def("forward", &Program::forward, py::arg("x"))
       .def("backward_input", &Program::backward_input, py::arg("saved"), py::arg("grad"), py::arg("need_input"))
       .def("backward_weight", &Program::backward_weight, py::arg("work"), py::arg("fused"))

@@ -112,7 +112,9 @@ class Chain:
         self._dtype: torch.dtype | None = None  # set by ready(): the step's dtype
         self.trains = True  # set by ready(): some parameter wants a gradient
         self._lib = native_chain() if native else None
-        self._program = None  # the native Program, bound for one step (ready .. unbind)
+        # The native Program: its parameters bound for one step (ready .. unbind).
+        self._program = self._lib.Program([k for k, _ in ops]) if self._lib is not None else None
+        self._bound = False
 
     @property
     def native(self) -> bool:
@@ -120,21 +122,23 @@ class Chain:
         return self._lib is not None
 
     def _bind(self) -> None:
-        """Builds the native Program for the layers as they are now."""
-        self._program = self._lib.Program(
-            [k for k, _ in self.ops],
+        """Binds the native Program to the layers as they are now."""
+        self._program.bind(
             [m.weight if k == _LINEAR else None for k, m in self.ops],
             [m.bias if k == _LINEAR else None for k, m in self.ops],
             [m.approximate if k == _GELU else "" for k, m in self.ops],
         )
+        self._bound = True
 
     def unbind(self) -> None:
-        """Drops the native Program, and with it its references to the
-        parameters, so that between steps nothing but the model holds them
-        (``torch.utils.swap_tensors``, as ``module.to()`` and
+        """Lets the native Program drop its references to the parameters (it
+        keeps W's buffers), so that between steps nothing but the model holds
+        them (``torch.utils.swap_tensors``, as ``module.to()`` and
         ``load_state_dict`` may use, refuses tensors referenced elsewhere).
         The executor calls it at the end of every step."""
-        self._program = None
+        if self._bound:
+            self._program.unbind()
+            self._bound = False
         self._dtype = None
 
     @classmethod
@@ -183,8 +187,7 @@ class Chain:
         Linears, leaf CPU parameters of one real floating dtype, dense and
         contiguous, with ``.grad`` None or alike. Then binds the native
         program to the layers as they are (``unbind`` drops it)."""
-        self._program = None
-        self._dtype = None
+        self.unbind()
         if any(getattr(_module, name) for name in _GLOBAL_HOOKS) or _patched():
             return False
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
@@ -226,7 +229,7 @@ class Chain:
         hooks = native_chain()
         if hooks is not None and hooks.accumulator_hooked(present):
             return False
-        if self._lib is not None:
+        if self._program is not None:
             self._bind()
         self._dtype = dtype
         self.trains = any(p.requires_grad for p in present)
@@ -243,7 +246,7 @@ class Chain:
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The stage's output for ``x`` and what backward reads, without a graph."""
-        if self._program is not None:
+        if self._bound:
             return self._program.forward(x)
         saved = []
         with torch.no_grad():
@@ -269,7 +272,7 @@ class Chain:
         count them (a tensor two ops save counts twice; see
         ``fastpipe.runtime.memory``), so memory stats and the planner's
         profile read the same whichever path ran."""
-        if self._program is not None:
+        if self._bound:
             return self._program.saved_bytes(saved)
         return sum(t.numel() * t.element_size() for t in saved)
 
@@ -277,7 +280,7 @@ class Chain:
                        ) -> tuple[torch.Tensor | None, ChainWork]:
         """I: the gradient of the stage input (None unless ``need_input``), and
         what W needs. ``saved`` is emptied: it cannot serve twice."""
-        if self._program is not None:
+        if self._bound:
             gx, work = self._program.backward_input(saved, grad, need_input)
             return gx, ChainWork(work)
         items = []
@@ -318,7 +321,7 @@ class Chain:
         """
         if isinstance(work.items, list) and not work.items:
             return  # nothing wanted a gradient (the executor's empty work)
-        if self._program is not None:
+        if self._bound:
             self._program.backward_weight(work.items, fused)
             return
         items = work.items
