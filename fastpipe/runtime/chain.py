@@ -325,15 +325,12 @@ class Chain:
             self._program.backward_weight(work.items, fused)
             return
         items = work.items
-        if fused:
-            whole = [(m, g, x) for m, g, x in items
-                     if m.weight.requires_grad and (m.bias is None or m.bias.requires_grad)]
-            accumulate_linear_grads([(m.weight, m.bias, g, x) for m, g, x in whole])
-            if len(whole) == len(items):
-                items.clear()
-                return
-            done = {id(m) for m, _, _ in whole}
-            items[:] = [item for item in items if id(item[0]) not in done]
+        if fused:  # Linears whose weight and bias both train; the rest as below
+            whole = [m.weight.requires_grad and (m.bias is None or m.bias.requires_grad)
+                     for m, _, _ in items]
+            accumulate_linear_grads([(m.weight, m.bias, g, x)
+                                     for (m, g, x), w in zip(items, whole) if w])
+            items = [item for item, w in zip(items, whole) if not w]
         with torch.no_grad():
             for m, g, x in items:
                 w, b = m.weight, m.bias
@@ -352,7 +349,7 @@ class Chain:
                         b.grad = gb
                     else:
                         b.grad.add_(gb)
-        items.clear()
+        work.items.clear()
 
 
 def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
