@@ -14,6 +14,7 @@ torch's C++ ABI; after a torch upgrade, rebuild it.
 """
 
 import os
+import platform
 from pathlib import Path
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -70,14 +71,21 @@ def chain_extension():
         from torch.utils.cpp_extension import CppExtension
     except ImportError:
         return None
+    macros = [
+        ("TORCH_EXTENSION_NAME", "_chain"),
+        ("TORCH_API_INCLUDE_EXTENSION_H", None),
+        ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
+    ]
+    if platform.machine().lower() in {"x86_64", "amd64"}:
+        # GELU through ATen's own CPU kernel (csrc/chain/chain.cpp says why):
+        # its dispatch entry point is declared with the CPU capabilities
+        # torch itself was built with, on x86-64 these two.
+        macros += [("FASTPIPE_GELU_STUB", None), ("HAVE_AVX512_CPU_DEFINITION", None),
+                   ("HAVE_AVX2_CPU_DEFINITION", None)]
     return CppExtension(
         "fastpipe._chain",
         ["csrc/chain/chain.cpp"],
-        define_macros=[
-            ("TORCH_EXTENSION_NAME", "_chain"),
-            ("TORCH_API_INCLUDE_EXTENSION_H", None),
-            ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
-        ],
+        define_macros=macros,
         extra_compile_args=["-O2", "-g0", "-std=c++20", "-fvisibility=hidden"],
     )
 
