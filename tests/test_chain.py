@@ -202,8 +202,9 @@ def chains(monkeypatch):
     """``chains(mode)`` sets how the Pipes built next run their chain stages:
     "native" (the default), "python" (ops from Python, forced on in local
     mode too, so the executor code of distributed ranks runs without
-    processes) or "eager" (no chains: autograd). Returns the list that
-    counts chain forwards."""
+    processes) or "eager" (no chains: autograd); ``gather``: W gathered over
+    microbatches (the default outside these tests; off, each W is exactly
+    autograd's). Returns the list that counts chain forwards."""
     calls = []
     forward = Chain.forward
 
@@ -216,8 +217,9 @@ def chains(monkeypatch):
     def make(*args, **kwargs):
         return executor_module.RankExecutor(*args, **{**kwargs, "python_chains": True})
 
-    def set_mode(mode: str) -> list:
+    def set_mode(mode: str, gather: bool = False) -> list:
         monkeypatch.setattr(executor_module, "chains_enabled", lambda: mode != "eager")
+        monkeypatch.setattr(executor_module, "chain_gathering", lambda: gather)
         monkeypatch.setattr(chain_module, "native_chain",
                             native_chain if mode == "native" else lambda: None)
         monkeypatch.setattr(pipe_module, "RankExecutor",
@@ -250,6 +252,73 @@ def test_every_schedule_through_chains_is_bit_identical(schedule, chains):
         assert all(torch.equal(a, b) for a, b in zip(la, lb)), mode
         assert all(torch.equal(a, b) for a, b in zip(ga, gb)), mode
         assert torch.equal(oa, ob), mode
+
+
+@pytest.mark.parametrize("schedule", names())
+def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monkeypatch):
+    """Gathered W sums microbatches inside one GEMM: other rounding than
+    autograd's, the same in both chain paths, and .grad complete on return."""
+    x, y = torch.randn(12, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
+    grads = {}
+    gathered = []
+    flush = Chain.flush_weight
+
+    def counted(self, *args):
+        gathered.append(len(self._pending))
+        flush(self, *args)
+
+    monkeypatch.setattr(Chain, "flush_weight", counted)
+    for mode in ("eager", "python", "native"):
+        chains(mode, gather=True)
+        gathered.clear()
+        model = chain_model(torch.float64)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)  # accumulated into, as a backward does
+        pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"])
+        with reference(mode == "native"):
+            pipe.step(x, y, nn.functional.mse_loss)
+            pipe.step(x, y, nn.functional.mse_loss)
+        grads[mode] = _grads(model)
+        if mode != "eager":
+            assert all(st.chain.deferred_bytes == 0
+                       for sts in pipe._stages.values() for st in sts.values())
+            assert max(gathered) == 2  # 3 rows each; the 12x6 Linear lets 4 wait
+    for a, b in zip(grads["eager"], grads["native"]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b, c in zip(grads["python"], grads["native"], grads["eager"]):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+        assert torch.equal(a, b)  # the same ops, in order (fp64: one GELU kernel)
+
+
+def test_gathered_w_is_on_the_timeline(chains):
+    chains("native", gather=True)
+    # 3 rows a microbatch, 6 may wait: two are gathered in the loop, one at the end.
+    model = nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU())
+    pipe = Pipe(model, chunks=3, schedule="gpipe", devices=["cpu", "cpu"], balance=[2, 2])
+    _, sim = pipe.step_with_timeline(torch.randn(9, 12), torch.randn(9, 12), nn.functional.mse_loss)
+    flushes = [r for r in sim.timeline if r.action.kind.name == "W"]
+    assert sorted(r.rank for r in flushes) == [0, 1]  # gpipe has no W: these are the gathered ones
+    assert all(r.end >= r.start for r in flushes)
+
+
+def test_gathered_w_stacks_microbatches_up_to_the_limit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 24), nn.ReLU(), nn.Linear(24, 8))  # limit: 8*24/32 = 6 rows
+    chain = Chain.of(model)
+    x = torch.randn(2, 8)
+    assert chain.usable(x)
+    flushed = []
+    real = chain.flush_weight
+    chain.flush_weight = lambda *a: (flushed.append(len(chain._pending)), real(*a))
+    for _ in range(4):
+        _, saved = chain.forward(x)
+        _, work = chain.backward_input(saved, torch.ones(2, 8), need_input=False)
+        work.rows = 2
+        chain.defer_weight(work, {})
+    assert flushed == [3]  # 6 rows: three microbatches, then one left waiting
+    assert chain.deferred_bytes == 2 * (8 + 24 + 24 + 8) * 4
+    chain.flush_weight({})
+    assert chain.deferred_bytes == 0
 
 
 @pytest.mark.parametrize("mode", ["python", "native"])
@@ -299,10 +368,10 @@ def test_chain_output_is_freed_once_sent(chains, mode, monkeypatch):
             outputs.append(weakref.ref(out))
         return out, saved
 
-    def check(self, saved, grad, need_input):
+    def check(self, saved, grad, need_input, defer=False):
         if self is first:
             alive_at_backward.append(any(r() is not None for r in outputs))
-        return backward_input(self, saved, grad, need_input)
+        return backward_input(self, saved, grad, need_input, defer)
 
     monkeypatch.setattr(Chain, "forward", keep)
     monkeypatch.setattr(Chain, "backward_input", check)

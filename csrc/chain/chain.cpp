@@ -177,8 +177,11 @@ class Program {
   }
 
   // I: the gradient of the stage input (None unless need_input) and W's share.
+  // own: W will run later (gathered), so the tensors it keeps are copied
+  // where they may be the caller's, the incoming gradient and the first
+  // Linear's input: those can be views into a transport's reused buffer.
   std::pair<std::optional<at::Tensor>, std::shared_ptr<Work>> backward_input(Saved& saved, const at::Tensor& grad,
-                                                                             bool need_input) const {
+                                                                             bool need_input, bool own) const {
     TORCH_CHECK(bound_, "no parameters bound: call bind first");
     TORCH_CHECK(saved.tensors.size() == ops_.size(), "this forward's tensors were used already");
     auto work = std::make_shared<Work>();
@@ -186,12 +189,14 @@ class Program {
     {
       py::gil_scoped_release nogil;
       at::NoGradGuard no_grad;
-      at::Tensor g = grad;
+      at::Tensor g = own ? grad.clone() : grad;
       for (std::int64_t i = static_cast<std::int64_t>(ops_.size()) - 1; i >= 0; --i) {
         const Op& op = ops_[i];
         const at::Tensor& s = saved.tensors[i];
         if (op.kind == kLinear) {
-          if (op.weight.requires_grad() || needs_grad(op.bias)) work->items.emplace_back(i, g, s);
+          if (op.weight.requires_grad() || needs_grad(op.bias)) {
+            work->items.emplace_back(i, g, own && i == first_linear_ ? s.clone() : s);
+          }
           if (i == first_linear_ && !need_input) break;  // what lies below only leads to the input
           g = input_grad(g, op.weight, s);
           continue;
@@ -242,6 +247,49 @@ class Program {
       }
     }
     work.items.clear();
+  }
+
+  // W of several microbatches at once: per Linear, their incoming gradients
+  // and inputs stacked by rows, one GEMM into .grad (addmm_), one sum for
+  // the bias. Where a microbatch has few rows the per-microbatch W is bound
+  // by passes over the gradient matrix, not arithmetic: 8 Linears of
+  // 128x512, 16 microbatches of 4 rows, took 3.3 ms one by one and 0.6 ms
+  // stacked. The sum over rows then runs inside the GEMM, as it does for
+  // the unsplit batch: other rounding than one addition per microbatch.
+  void backward_weight_gathered(const std::vector<std::shared_ptr<Work>>& works) {
+    TORCH_CHECK(bound_ || works.empty(), "no parameters bound: call bind first");
+    if (works.empty()) return;
+    {
+      py::gil_scoped_release nogil;
+      at::NoGradGuard no_grad;
+      const auto& first = works.front()->items;
+      for (std::size_t j = 0; j < first.size(); ++j) {
+        const std::size_t i = std::get<0>(first[j]);
+        std::vector<at::Tensor> gs, xs;
+        gs.reserve(works.size());
+        xs.reserve(works.size());
+        for (const auto& work : works) {
+          TORCH_CHECK(work->items.size() == first.size() && std::get<0>(work->items[j]) == i,
+                      "gathered W needs works of one program and step");
+          gs.push_back(std::get<1>(work->items[j]));
+          xs.push_back(std::get<2>(work->items[j]));
+        }
+        const at::Tensor g = at::cat(gs, 0);
+        const Op& op = ops_[i];
+        const at::Tensor& w = op.weight;
+        if (w.requires_grad()) {
+          const at::Tensor x = at::cat(xs, 0);
+          at::Tensor& grad = w.mutable_grad();
+          if (!grad.defined()) {
+            grad = at::mm(g.t(), x);
+          } else {
+            grad.addmm_(g.t(), x);
+          }
+        }
+        if (needs_grad(op.bias)) accumulate(*op.bias, g.sum(0));
+      }
+    }
+    for (const auto& work : works) work->items.clear();
   }
 
   // Bytes a forward keeps, counted as autograd's saved-tensor hooks count
@@ -303,7 +351,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("bind", &Program::bind, py::arg("weights"), py::arg("biases"), py::arg("approximate"))
       .def("unbind", &Program::unbind)
       .def("forward", &Program::forward, py::arg("x"))
-      .def("backward_input", &Program::backward_input, py::arg("saved"), py::arg("grad"), py::arg("need_input"))
+      .def("backward_input", &Program::backward_input, py::arg("saved"), py::arg("grad"), py::arg("need_input"),
+           py::arg("own"))
       .def("backward_weight", &Program::backward_weight, py::arg("work"), py::arg("fused"))
+      .def("backward_weight_gathered", &Program::backward_weight_gathered, py::arg("works"))
       .def("saved_bytes", &Program::saved_bytes, py::arg("saved"));
 }

@@ -7,7 +7,8 @@ through an AccumulateGrad node; an I/W split adds a Python graph analysis
 per microbatch on top. For a stage of 4 MLP blocks (d=128, 16 microbatches
 of 4 rows, one thread), forward plus backward over the microbatches took
 15.0-15.4 ms through autograd, 12.3-12.5 ms as the same aten ops issued from
-Python and 9.1-9.8 ms issued from C++ (``fastpipe._chain``). So when every layer of a stage is one this module knows (exact
+Python and 9.1-9.8 ms issued from C++ (``fastpipe._chain``; 7.5-8.6 ms
+with its GELU kernel, see below). So when every layer of a stage is one this module knows (exact
 types: ``nn.Linear``, ``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, ``nn.Tanh``,
 ``nn.Sigmoid``, ``nn.Identity``, nested plain ``nn.Sequential``), the
 executor runs it as a :class:`Chain`:
@@ -22,8 +23,23 @@ The ops are the ones autograd's formulas run (``mm_mat1_backward`` and
 ``mm_mat2_backward`` with the same operand layouts, ``gelu_backward`` ...)
 and gradients are accumulated as AccumulateGrad does (stored when ``.grad``
 is None, added in place otherwise), so the results are bit-identical to the
-eager path (tests/test_chain.py). The I/W split comes for free: I keeps each
-Linear's incoming gradient and input, W consumes them.
+eager path (tests/test_chain.py); the native chain runs GELU through ATen's
+own CPU kernel rather than oneDNN's (cheaper at these sizes, other last
+bits: csrc/chain/chain.cpp), so it is bit-identical to eager with oneDNN
+off. The I/W split comes for free: I keeps each Linear's incoming gradient
+and input, W consumes them.
+
+W is also where a chain goes past autograd: on narrow microbatches each
+W is a few rows against a whole weight matrix, bound by passes over that
+matrix. So the executor defers it (:meth:`Chain.defer_weight`): while the
+rows waiting keep less than the weight matrix they will write (per Linear,
+a row of input and one of gradient: a 128x512 Linear lets 102 rows
+wait), they wait, and then run as one GEMM per Linear over all their rows,
+as the unsplit batch's backward would; whatever waits at the end of the
+step runs then, before the step returns. The sum over microbatches then
+happens inside the GEMM, so the rounding is the unsplit batch's kind, not
+autograd's one addition per microbatch. ``FASTPIPE_CHAIN_GATHER=0`` runs
+each W at once, as autograd adds them.
 
 What would make the chain differ from eager autograd sends the stage down
 the eager path instead, checked at the start of each step (:meth:`Chain.ready`)
@@ -86,11 +102,18 @@ def enabled() -> bool:
     return os.environ.get("FASTPIPE_CHAIN", "1") != "0"
 
 
+def gathering() -> bool:
+    """W of several microbatches in one GEMM (``Chain.defer_weight``), unless
+    ``FASTPIPE_CHAIN_GATHER=0`` (read when a Pipe is built)."""
+    return os.environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0"
+
+
 @dataclass
 class ChainWork:
     """W's share of one microbatch: each Linear with its incoming gradient and input."""
 
     items: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] | Any  # or the native Work
+    rows: int = 0  # the microbatch's rows (the executor sets them)
 
 
 class Chain:
@@ -115,6 +138,12 @@ class Chain:
         # The native Program: its parameters bound for one step (ready .. unbind).
         self._program = self._lib.Program([k for k, _ in ops]) if self._lib is not None else None
         self._bound = False
+        # Deferred W (defer_weight): the works kept, their rows, and how many
+        # rows may wait (set by ready()).
+        self._pending: list[ChainWork] = []
+        self._pending_rows = 0
+        self._gather_rows = 0
+        self._row_bytes = 0  # bytes a deferred row keeps: its inputs and gradients of W
 
     @property
     def native(self) -> bool:
@@ -140,6 +169,8 @@ class Chain:
             self._program.unbind()
             self._bound = False
         self._dtype = None
+        self._pending.clear()  # W not run by now belongs to a step that failed
+        self._pending_rows = 0
 
     @classmethod
     def of(cls, module: nn.Module, native: bool = True) -> Chain | None:
@@ -233,6 +264,14 @@ class Chain:
             self._bind()
         self._dtype = dtype
         self.trains = any(p.requires_grad for p in present)
+        trained = [m.weight.shape for m in self._linears
+                   if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)]
+        # Rows may wait while what they keep (a row of input and of gradient
+        # per Linear) is less than the weight matrix W writes: then gathering
+        # saves passes over it, and the memory it holds stays below a
+        # weight gradient's.
+        self._gather_rows = min((o * i // (o + i) for o, i in trained), default=0)
+        self._row_bytes = sum(o + i for o, i in trained) * dtype.itemsize
         return True
 
     def accepts(self, x: torch.Tensor) -> bool:
@@ -276,22 +315,28 @@ class Chain:
             return self._program.saved_bytes(saved)
         return sum(t.numel() * t.element_size() for t in saved)
 
-    def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
-                       ) -> tuple[torch.Tensor | None, ChainWork]:
+    def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool,
+                       defer: bool = False) -> tuple[torch.Tensor | None, ChainWork]:
         """I: the gradient of the stage input (None unless ``need_input``), and
-        what W needs. ``saved`` is emptied: it cannot serve twice."""
+        what W needs. ``saved`` is emptied: it cannot serve twice.
+
+        ``defer``: W goes to ``defer_weight``. Where it will wait, W's
+        tensors that may be the caller's (``grad``, the first Linear's
+        input) are copied: they can be views into a transport's buffer,
+        which is reused once the microbatch is done."""
+        own = defer and grad.shape[0] < self._gather_rows
         if self._bound:
-            gx, work = self._program.backward_input(saved, grad, need_input)
+            gx, work = self._program.backward_input(saved, grad, need_input, own)
             return gx, ChainWork(work)
         items = []
-        g = grad
+        g = grad.clone() if own else grad
         with torch.no_grad():
             for i in range(len(self.ops) - 1, -1, -1):
                 kind, m = self.ops[i]
                 s = saved[i]
                 if kind == _LINEAR:
                     if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
-                        items.append((m, g, s))
+                        items.append((m, g, s.clone() if own and i == self._first_linear else s))
                     if i == self._first_linear and not need_input:
                         break  # what lies below only leads to the input
                     g = _input_grad(g, m.weight, s)
@@ -350,6 +395,61 @@ class Chain:
                     else:
                         b.grad.add_(gb)
         work.items.clear()
+
+
+    # --- W of several microbatches ------------------------------------------------
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes the deferred W keeps alive (inputs and gradients of its Linears)."""
+        return self._pending_rows * self._row_bytes
+
+    def defer_weight(self, work: ChainWork, workspace: dict, fused: bool = False) -> None:
+        """W, gathered: keeps ``work`` and runs the kept ones in one GEMM per
+        Linear once their rows reach the limit ``ready()`` set (a
+        microbatch with that many rows runs at once, alone, as
+        ``backward_weight``). ``flush_weight`` runs what is left; the
+        executor calls it at the end of the step, so ``.grad`` is complete
+        when the step returns."""
+        if isinstance(work.items, list) and not work.items:
+            return
+        self._pending.append(work)
+        self._pending_rows += work.rows
+        if self._pending_rows >= self._gather_rows:
+            self.flush_weight(workspace, fused)
+
+    def flush_weight(self, workspace: dict, fused: bool = False) -> None:
+        """Runs the deferred W: one work as ``backward_weight`` would, several
+        stacked by rows (other rounding than one addition per microbatch,
+        as for the unsplit batch; csrc/chain/chain.cpp has the figures)."""
+        works, self._pending, self._pending_rows = self._pending, [], 0
+        if len(works) == 1:
+            self.backward_weight(works[0], workspace, fused)
+        elif works and self._bound:
+            self._program.backward_weight_gathered([w.items for w in works])
+        elif works:
+            self._weight_gathered(works)
+
+    def _weight_gathered(self, works: list[ChainWork]) -> None:
+        """``flush_weight``'s ops, from Python (the native program's, in order)."""
+        with torch.no_grad():
+            for j, (m, _, _) in enumerate(works[0].items):
+                g = torch.cat([w.items[j][1] for w in works])
+                weight, bias = m.weight, m.bias
+                if weight.requires_grad:
+                    x = torch.cat([w.items[j][2] for w in works])
+                    if weight.grad is None:
+                        weight.grad = torch.mm(g.t(), x)
+                    else:
+                        weight.grad.addmm_(g.t(), x)
+                if bias is not None and bias.requires_grad:
+                    gb = g.sum(0)
+                    if bias.grad is None:
+                        bias.grad = gb
+                    else:
+                        bias.grad.add_(gb)
+        for w in works:
+            w.items.clear()
 
 
 def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

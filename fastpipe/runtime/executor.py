@@ -39,6 +39,8 @@ from fastpipe.runtime._backward import (
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.chain import Chain, ChainWork
 from fastpipe.runtime.chain import enabled as chains_enabled
+from fastpipe.runtime.chain import gathering as chain_gathering
+from fastpipe.runtime.losses import known_loss
 from fastpipe.runtime.checkpoint import RngState, checkpointed, forgetful, guarded, recompute, stochastic
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.threads import Autocast, autocast
@@ -136,6 +138,7 @@ class RankExecutor:
     ) -> None:
         self.rank = rank
         self.python_chains = python_chains
+        self.gather_w = chain_gathering()  # chain stages defer W to gather microbatches
         self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
@@ -154,6 +157,13 @@ class RankExecutor:
         }
         # After the action at index i, hand back the buffers of this (stage, mb).
         self._release_at = {i: key for key, i in last_use(self.actions).items()}
+        # (stage, mb) of each B whose very next action sends its input gradient:
+        # a chain stage sends it between I and W (``_backward``).
+        self._send_after_i = {
+            (a.stage, a.microbatch) for a, b in zip(self.actions, self.actions[1:])
+            if a.kind is Kind.B and b.kind is Kind.SEND_B
+            and (b.stage, b.microbatch) == (a.stage, a.microbatch)
+        }
         # Saved-activation bytes of each (stage, mb) alive, and the step's peak.
         self._saved_bytes = SavedBytes(p for st in stages.values() for p in st.module.parameters())
         self._activations: dict[tuple[int, int], int] = {}
@@ -189,6 +199,9 @@ class RankExecutor:
             i for i, st in self.stages.items()
             if st.chain is not None and (st.chain.native or self.python_chains) and st.chain.ready()
         }
+        # A known loss after a chain stage is computed with its gradient, no graph.
+        last = self.schedule.stages - 1
+        self._known_loss = known_loss(loss_fn) if train and last in self._chains else None
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
         if self._ahead:
@@ -219,6 +232,7 @@ class RankExecutor:
 
     def _loop(self) -> None:
         verbs, release_at = self._verbs, self._release_at
+        origin = None
         if self.records is None:
             for i, action in enumerate(self.actions):
                 verbs[action.kind](action)
@@ -230,7 +244,23 @@ class RankExecutor:
                 self._timed(action, origin)
                 if i in release_at:
                     self._release(release_at[i])
+        self._flush_deferred(origin)
         self.transport.finish()
+
+    def _flush_deferred(self, origin: float | None) -> None:
+        """Runs the W chain stages deferred, so .grad is complete when the step
+        returns; on a timeline it is a W of the step's last microbatch."""
+        for i in self._chains:
+            chain = self.stages[i].chain
+            if not chain.deferred_bytes:
+                continue
+            t0 = time.perf_counter()
+            self._hold(-chain.deferred_bytes)
+            chain.flush_weight(self.stages[i].workspace, self.fused_wgrad)
+            if self.records is not None:
+                last = Action(i, Kind.W, self.schedule.microbatches - 1)
+                self.records.append(TimelineRecord(self.rank, last, t0 - origin,
+                                                   time.perf_counter() - origin))
 
     def _unsent(self) -> list[tuple[tuple[str, int, int], int]]:
         """(key, destination rank) of every message of the step not sent yet."""
@@ -256,6 +286,11 @@ class RankExecutor:
         added = self._saved_bytes.total - start
         self._activations[key] = self._activations.get(key, 0) + added
         self.live_activation_bytes += added
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
+
+    def _hold(self, delta: int) -> None:
+        """Books bytes kept beyond their microbatch's last action (deferred W)."""
+        self.live_activation_bytes += delta
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
 
     def _timed(self, a: Action, origin: float) -> None:
@@ -317,7 +352,9 @@ class RankExecutor:
         self._send(("F", a.stage + 1, a.microbatch), a.stage + 1)
 
     def _send_b(self, a: Action) -> None:
-        self._send(("B", a.stage - 1, a.microbatch), a.stage - 1)
+        key = ("B", a.stage - 1, a.microbatch)
+        if key not in self._sent:  # else sent by its B already
+            self._send(key, a.stage - 1)
 
     def _send(self, key: tuple[str, int, int], dst_stage: int) -> None:
         tensors, spec = self._outbox.pop(key)
@@ -386,7 +423,16 @@ class RankExecutor:
         # What autograd's output would say: a gradient comes back for it only
         # where something before it (a weight, the input) wants one.
         out.requires_grad_(leaves[0].requires_grad or stage.chain.trains)
-        if last:
+        quick = None
+        if last and self._known_loss is not None and out.requires_grad:
+            quick = self._known_loss.value_and_grad(out, self._target(mb),
+                                                    1 / self.schedule.microbatches)
+        if quick is not None:
+            # The loss and its gradient at once; what is kept is the gradient.
+            self._results[mb] = quick[0]
+            self._saved_bytes.total += quick[1].numel() * quick[1].element_size()
+            saved = _Saved([], leaves, [quick[1]], chain=kept)
+        elif last:
             # The loss's graph is autograd's: counted as an eager forward's is.
             shape_key = ("L", out.shape, out.dtype)
             known = stage.saved_bytes.get(shape_key)
@@ -419,19 +465,23 @@ class RankExecutor:
             self._send_input_grads(a.stage, a.microbatch, saved.leaves, [None])
             return ChainWork([])
         need = a.stage > 0 and x.requires_grad
-        gx, work = self.stages[a.stage].chain.backward_input(saved.chain, grad, need)
+        gx, work = self.stages[a.stage].chain.backward_input(saved.chain, grad, need, self.gather_w)
+        work.rows = x.shape[0]
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [gx])
         return work
 
     def _autocast(self):
         return autocast(self._amp, self._amp_cache) if self._amp else nullcontext()
 
-    def _loss(self, mb: int, out: Value) -> torch.Tensor:
-        """The loss of one microbatch, as a 0-dim tensor (``_seed`` scales its gradient)."""
+    def _target(self, mb: int) -> Any:
+        """One microbatch's target, on the last stage's device."""
         target = self._targets[mb]
         device = self.stages[self.schedule.stages - 1].device
-        target = tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
-        loss = self._loss_fn(out, target)
+        return tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
+
+    def _loss(self, mb: int, out: Value) -> torch.Tensor:
+        """The loss of one microbatch, as a 0-dim tensor (``_seed`` scales its gradient)."""
+        loss = self._loss_fn(out, self._target(mb))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
@@ -498,8 +548,12 @@ class RankExecutor:
         del self._saved[(a.stage, a.microbatch)]
         if saved.chain is not None:
             stage = self.stages[a.stage]
-            stage.chain.backward_weight(self._chain_input(a, saved), stage.workspace,
-                                        self.fused_wgrad)
+            work = self._chain_input(a, saved)
+            if (a.stage, a.microbatch) in self._send_after_i:
+                # The gradient the previous stage waits for leaves before W
+                # runs, not after: W only feeds this rank's .grad.
+                self._send_b(a)
+            self._chain_weight(stage, work)
             return
         if self.fused_wgrad:
             # A first stage's inputs are the caller's tensors: leave them among
@@ -528,7 +582,16 @@ class RankExecutor:
     def _backward_weight(self, a: Action) -> None:
         work, stage = self._weights.pop((a.stage, a.microbatch)), self.stages[a.stage]
         if isinstance(work, ChainWork):
-            stage.chain.backward_weight(work, stage.workspace, self.fused_wgrad)
+            self._chain_weight(stage, work)
             return
         backward_weight(work, self.keep_graphs, stage.workspace)
 
+    def _chain_weight(self, stage: Stage, work: ChainWork) -> None:
+        """W of a chain stage: now, or deferred to be gathered with others."""
+        chain = stage.chain
+        if not self.gather_w:
+            chain.backward_weight(work, stage.workspace, self.fused_wgrad)
+            return
+        before = chain.deferred_bytes
+        chain.defer_weight(work, stage.workspace, self.fused_wgrad)
+        self._hold(chain.deferred_bytes - before)
