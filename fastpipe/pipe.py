@@ -60,7 +60,12 @@ class Pipe(nn.Module):
     a stage held by this process has, accumulated into its ``.grad`` like a
     normal backward, the gradient of the mean over microbatches of
     ``loss_fn(model(x_mb), target_mb)``; parameters of other ranks' stages get
-    none. ``step`` returns that mean loss, detached, on every rank.
+    none. ``step`` returns that mean loss, detached, on every rank. Equal up
+    to float rounding: stages of Linears and activations ("chains",
+    ``fastpipe.runtime.chain``) sum the weight gradients of microbatches with
+    few rows inside one GEMM, as the unsplit batch would, where autograd adds
+    one microbatch at a time (``FASTPIPE_CHAIN_GATHER=0`` adds them one at a
+    time too).
 
     Args:
         model: the ``nn.Sequential`` to split.
