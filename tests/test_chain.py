@@ -21,7 +21,7 @@ from fastpipe._ext import native_chain
 from fastpipe.runtime import chain as chain_module
 from fastpipe.runtime import executor as executor_module
 from fastpipe.runtime.chain import Chain
-from fastpipe.schedules import names
+from fastpipe.schedules import build, names
 
 # Both ways of running a chain; the native one must be built where the suite runs.
 NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="python")]
@@ -288,6 +288,14 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
     for a, b, c in zip(grads["python"], grads["native"], grads["eager"]):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
         assert torch.equal(a, b)  # the same ops, in order (fp64: one GELU kernel)
+
+
+def test_gathering_is_on_unless_the_environment_says_0(monkeypatch):
+    monkeypatch.delenv("FASTPIPE_CHAIN_GATHER", raising=False)
+    assert chain_module.gathering()
+    monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")
+    assert not chain_module.gathering()
+    assert not executor_module.RankExecutor(0, build("gpipe", 1, 1), {}, None).gather_w
 
 
 def test_gathered_w_is_on_the_timeline(chains):

@@ -104,7 +104,7 @@ def enabled() -> bool:
 
 def gathering() -> bool:
     """W of several microbatches in one GEMM (``Chain.defer_weight``), unless
-    ``FASTPIPE_CHAIN_GATHER=0`` (read when a Pipe is built)."""
+    ``FASTPIPE_CHAIN_GATHER=0`` (read at the start of every step)."""
     return os.environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0"
 
 
