@@ -389,13 +389,8 @@ class Chain:
                             buf = workspace[key] = torch.empty_like(w)
                         w.grad.add_(_weight_grad(g, x, out=buf))
                 if b is not None and b.requires_grad:
-                    gb = g.sum(0)
-                    if b.grad is None:
-                        b.grad = gb
-                    else:
-                        b.grad.add_(gb)
+                    _accumulate(b, g.sum(0))
         work.items.clear()
-
 
     # --- W of several microbatches ------------------------------------------------
 
@@ -443,13 +438,17 @@ class Chain:
                     else:
                         weight.grad.addmm_(g.t(), x)
                 if bias is not None and bias.requires_grad:
-                    gb = g.sum(0)
-                    if bias.grad is None:
-                        bias.grad = gb
-                    else:
-                        bias.grad.add_(gb)
+                    _accumulate(bias, g.sum(0))
         for w in works:
             w.items.clear()
+
+
+def _accumulate(p: torch.Tensor, fresh: torch.Tensor) -> None:
+    """AccumulateGrad's two cases: store a fresh gradient, or add it in place."""
+    if p.grad is None:
+        p.grad = fresh
+    else:
+        p.grad.add_(fresh)
 
 
 def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
