@@ -235,6 +235,7 @@ class Pipe(nn.Module):
         self._lowered = lower(self.schedule)
         self._forward_only = lower(_forward_schedule(self.schedule))
         self._memory: dict[int, int] = {}  # rank -> peak saved-activation bytes of the last step
+        self._input_grads: dict[int, list[torch.Tensor]] = {}  # stage 0 input grads of a step
         if isinstance(balance, str) and balance != "auto":
             raise ValueError(f"balance must be a list of ints, None or 'auto', got {balance!r}")
         auto = balance == "auto"  # split at the first step, by measured time
@@ -530,8 +531,12 @@ class Pipe(nn.Module):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if self._stages is None:
             self._split_by_time(x)
-        inputs, targets = self._split_inputs(x, target)
-        results = self._run(self._lowered, inputs, targets, loss_fn, train=True)
+        inputs, targets, refused = self._split_inputs(x, target)
+        self._input_grads = {}
+        results = self._run(self._lowered, inputs, targets, loss_fn, train=True, refuse=refused)
+        grads, self._input_grads = self._input_grads, {}
+        if grads:
+            _backward_into_inputs(x, grads, self.chunks)
         return self._mean_loss(results)
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
@@ -560,6 +565,10 @@ class Pipe(nn.Module):
     def forward(self, x: Any) -> Any:
         """Inference: ``model(x)`` computed microbatch by microbatch, without autograd.
 
+        Under grad mode the output requires grad, as a module's would, but a
+        backward through it raises a RuntimeError that points to ``step``,
+        which is how a Pipe trains.
+
         Returns:
             The output (concatenated along dim 0) on the rank of the last stage;
             ``None`` on other ranks in distributed mode.
@@ -567,11 +576,16 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if self._stages is None:
             self._split_by_time(x)
-        inputs, _ = self._split_inputs(x, None)
-        results = self._run(self._forward_only, inputs, None, None, train=False)
+        inputs, _, refused = self._split_inputs(x, None)
+        results = self._run(self._forward_only, inputs, None, None, train=False, refuse=refused)
         if not results:
             return None
-        return mbatch.gather([results[mb] for mb in range(self.chunks)])
+        out = mbatch.gather([results[mb] for mb in range(self.chunks)])
+        trained = next((p for p in self.module.parameters() if p.requires_grad and not p.is_meta),
+                       None)
+        if torch.is_grad_enabled() and trained is not None:
+            out = _no_backward(out, trained)
+        return out
 
     def _owner(self, stage: int) -> int:
         return self.schedule.stage_to_rank[stage]
@@ -585,20 +599,33 @@ class Pipe(nn.Module):
             ) from self._broken
 
     def _split_inputs(self, x: Any, target: Any):
+        """(input microbatches, target microbatches, None) for the stages this
+        process holds. Inputs it cannot split raise here in local mode; in
+        distributed mode the error comes back third, for ``_run`` to fail
+        the step with on every rank."""
+        try:
+            return (*self._split(x, target), None)
+        except (TypeError, ValueError) as exc:
+            if not self.distributed:
+                raise
+            return None, None, exc
+
+    def _split(self, x: Any, target: Any):
         holds_first = not self.distributed or self.rank == self._owner(0)
         holds_last = not self.distributed or self.rank == self._owner(self.schedule.stages - 1)
-        inputs = mbatch.split(x, self.chunks) if holds_first else None
+        inputs = _named_split("x", x, self.chunks) if holds_first else None
         targets = None
         if target is not None and holds_last:
+            targets = _named_split("target", target, self.chunks)
             if holds_first and mbatch.batch_size(target) != mbatch.batch_size(x):
                 raise ValueError(
                     f"x and target have different batch sizes: {mbatch.batch_size(x)} and "
                     f"{mbatch.batch_size(target)}"
                 )
-            targets = mbatch.split(target, self.chunks)
         return inputs, targets
 
-    def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool) -> dict[int, Any]:
+    def _run(self, schedule: Schedule, inputs, targets, loss_fn, train: bool,
+             refuse: BaseException | None = None) -> dict[int, Any]:
         if self.distributed:
             try:
                 self._finish_loss_broadcast()
@@ -619,11 +646,11 @@ class Pipe(nn.Module):
             lanes = self._lanes_of(self.rank) if self._nccl else None
             try:
                 if lanes is None:
-                    return executor.run(inputs, targets, loss_fn, train)
+                    return executor.run(inputs, targets, loss_fn, train, refuse)
                 lanes.enter_from_caller()
                 try:
                     with lanes.compute():
-                        return executor.run(inputs, targets, loss_fn, train)
+                        return executor.run(inputs, targets, loss_fn, train, refuse)
                 finally:
                     lanes.exit_to_caller()
             except BaseException as exc:
@@ -632,17 +659,23 @@ class Pipe(nn.Module):
             finally:
                 if train:
                     self._memory[self.rank] = executor.peak_activation_bytes
+                    self._input_grads = executor.input_grads
         return self._run_local(schedule, inputs, targets, loss_fn, train)
 
     def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
         self._ring_for()
         mailbox = Mailbox(schedule.ranks)
-        # Ranks are threads sharing the CPU generator: with checkpointing,
-        # stochastic stages take turns drawing so recomputation replays exactly.
+        # Ranks are threads sharing the CPU generator: stochastic stages take
+        # turns drawing, each forward from its own seed (one draw of the
+        # caller's generator per step, then (stage, microbatch)), so seeded
+        # steps repeat and recomputation replays exactly.
         # They share the GIL too: backward leaves freeing the graph to the
         # executor (keep_graphs), so that it runs without the GIL, and only
         # native chains replace autograd (python_chains=False).
-        rng_lock = threading.Lock() if self.checkpoint != "never" else None
+        shared = schedule.ranks > 1 and any(
+            st.stochastic for stages in self._stages.values() for st in stages.values())
+        rng_lock = threading.Lock() if self.checkpoint != "never" or shared else None
+        rng_seed = int(torch.randint(0, 1 << 62, ()).item()) if shared else None
         last_rank = self._owner(schedule.stages - 1)
         origin = time.perf_counter()
         amp = autocast_state()  # thread-local: read here, applied on each rank's lane
@@ -656,7 +689,7 @@ class Pipe(nn.Module):
             executor = RankExecutor(rank, schedule, self._stages[rank], transports[rank],
                                     self.checkpoint, rng_lock, keep_graphs=True,
                                     fused_wgrad=self.fused_wgrad, autocast=amp,
-                                    python_chains=False)
+                                    python_chains=False, rng_seed=rng_seed)
             if self._recording is not None:
                 executor.records, executor.origin = [], origin
             try:
@@ -665,6 +698,8 @@ class Pipe(nn.Module):
             finally:
                 if train:
                     self._memory[rank] = executor.peak_activation_bytes
+                    if 0 in self._stages[rank]:
+                        self._input_grads = executor.input_grads
                 if executor.records is not None:
                     self._recording.extend(executor.records)  # list.extend is atomic
 
@@ -734,6 +769,51 @@ class Pipe(nn.Module):
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "
                 f"checkpoint={self.checkpoint!r}")
+
+
+def _named_split(name: str, batch: Any, chunks: int) -> list:
+    """``mbatch.split``, its errors naming the argument."""
+    try:
+        return mbatch.split(batch, chunks)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from None
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Marks ``pipe(x)``'s output as one autograd cannot go back through:
+    in grad mode it requires grad, as a module's output would, and a
+    backward through it says what to call instead of torch's "does not
+    require grad"."""
+
+    @staticmethod
+    def forward(ctx, x, parameter):  # the parameter makes autograd track the output
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            "the output of pipe(x) has no graph: Pipe.forward runs the microbatches without "
+            "autograd; train with loss = pipe.step(x, target, loss_fn), which runs the "
+            "backward of every microbatch")
+
+
+def _no_backward(value: Any, parameter: torch.Tensor) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_no_backward(v, parameter) for v in value)
+    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+        return _InferenceOnly.apply(value, parameter)
+    return value
+
+
+def _backward_into_inputs(x: Any, grads: dict[int, list[torch.Tensor]], chunks: int) -> None:
+    """Carries the first stage's input gradients into the caller's tensors:
+    one backward for the whole batch (into ``x.grad`` for a leaf, on
+    through the graph that made ``x`` otherwise), as ``loss.backward()``
+    on the unsplit model does."""
+    wanting = [t for t in (x if isinstance(x, tuple) else (x,)) if t.requires_grad]
+    whole = [torch.cat([grads[mb][i] for mb in range(chunks)]).to(t.device)
+             for i, t in enumerate(wanting)]
+    torch.autograd.backward(wanting, whole)
 
 
 def _outcome(event) -> Any:

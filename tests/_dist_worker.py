@@ -51,10 +51,12 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         fused_wgrad=case.get("fused", False), shm=case.get("shm", False),
                         free_remote=case.get("free_remote", False))
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
-            losses, outs, rings, p2p = [], [], [], []
+            losses, outs, rings, p2p, input_grads = [], [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:
                 counts.clear()
+                if case.get("input_grad"):  # every rank passes x; stage 0's gets its .grad
+                    x = x.clone().requires_grad_()
                 if case.get("amp"):  # the step under CPU bf16 autocast, float32 data
                     x, y = x.float(), y.float()
                 with _amp(case):
@@ -63,6 +65,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 rings.append(_ring_stats(pipe))
                 with torch.no_grad(), _amp(case):
                     outs.append(pipe(x))
+                input_grads.append(x.grad)
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             meta = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta)
             refused = None
@@ -73,6 +76,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 except ValueError as exc:
                     refused = str(exc)
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
+                            "input_grads": input_grads,
                             "meta": meta, "refused": refused,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
                             "staged": pipe._shm[0].staged_total if pipe.shm else 0})

@@ -86,7 +86,13 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
         for step in range(case.get("steps", 3)):
             Fault.step = step
             started = time.monotonic()
-            result["losses"].append(pipe.step(x, y, nn.functional.mse_loss).item())
+            xs, ys = x, y
+            if case.get("rank") == rank and step == case.get("at"):
+                if case["fault"] == "rows":  # fewer rows than chunks: refused before any action
+                    xs = x[:2]
+                elif case["fault"] == "no_target":  # on the rank of the last stage
+                    ys = None
+            result["losses"].append(pipe.step(xs, ys, nn.functional.mse_loss).item())
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         result.update(ok=False, type=type(exc).__name__, message=str(exc),

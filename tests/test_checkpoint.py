@@ -67,6 +67,23 @@ def test_dropout_is_replayed_in_one_rank(mode):
         assert torch.equal(grads[name], ck_grads[name]), name
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
+def test_seeded_dropout_repeats_across_local_ranks(schedule, monkeypatch):
+    """Local ranks are threads sharing the CPU generator: a seeded step draws
+    the same masks whatever order they ran in (three runs alike, bit for
+    bit), with and without checkpointing, and as GPipe's order draws them
+    (each forward has its own seed)."""
+    monkeypatch.setattr(executor_module, "chain_gathering", lambda: False)  # as above
+    runs = [_grads(_dropout_model, schedule, mode, seed=11) for mode in ("never",) * 3 + ("always",)]
+    if schedule != "zbv":  # the same two stages: masks do not depend on the order either
+        runs.append(_grads(_dropout_model, "gpipe", "never", seed=11))
+    loss, grads = runs[0]
+    for other_loss, other in runs[1:]:
+        assert torch.equal(loss, other_loss)
+        for name in grads:
+            assert torch.equal(grads[name], other[name]), name
+
+
 class _MaskLog(nn.Module):
     """Dropout that logs its mask, tagged with whether it runs in a recomputation."""
 

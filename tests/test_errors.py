@@ -90,6 +90,10 @@ STEP = [
     ("batch-mismatch", {"chunks": 2}, (X, Y[:6]), ValueError, "different batch sizes: 8 and 6"),
     ("input-not-tensor", {"chunks": 2}, ([1.0, 2.0], Y), TypeError, "tensor or a non-empty tuple of tensors, got list"),
     ("tuple-member-sizes", {"chunks": 2}, ((X, X[:4]), Y), ValueError, r"different batch sizes: \[4, 8\]"),
+    ("target-not-tensor", {"chunks": 2}, (X, Y.tolist()), TypeError,
+     "target: expected a tensor or a non-empty tuple of tensors, got list"),
+    ("target-none", {"chunks": 2}, (X, None), ValueError,
+     "target is None on rank 1, which holds the last stage"),
 ]
 
 
@@ -104,6 +108,17 @@ def test_balance_auto_refuses_a_layer_without_data():
     """balance="auto" splits at the first step, after profiling every layer."""
     with pytest.raises(ValueError, match=r"layer 5 \(Linear\) has tensors on the meta device"):
         _step({"devices": CPU2, "chunks": 2, "balance": "auto"}, X, Y, model=_meta_last())
+
+
+def test_backward_through_the_inference_output_points_to_step():
+    pipe = Pipe(mlp(), chunks=2, devices=CPU2)
+    out = pipe(X)
+    assert out.requires_grad  # as a module's output in grad mode
+    with pytest.raises(RuntimeError, match=r"output of pipe\(x\) has no graph.*pipe.step"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not pipe(X).requires_grad
+    pipe.close()
 
 
 def test_loss_fn_that_is_not_a_scalar():

@@ -85,6 +85,21 @@ def test_backward_error_on_the_other_rank_fails_both(tmp_path, transport):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault,rank,message", [
+    ("rows", 0, "cannot be split into chunks=4"),
+    ("no_target", 1, "target is None on rank 1, which holds the last stage"),
+])
+def test_bad_input_on_one_rank_fails_both_at_once(tmp_path, fault, rank, message):
+    """Inputs one rank cannot use fail that rank's step with a clear error
+    and its peer's at once, naming the reason, instead of a timeout."""
+    results, codes = _run({"fault": fault, "rank": rank, "at": 1, "shm": False}, tmp_path)
+    bad, peer = results[rank], results[1 - rank]
+    _failed_fast(bad, "ValueError", message)
+    _failed_fast(peer, "PeerError", f"pipeline rank {rank} failed", message)
+    assert codes == [0, 0]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "gloo-sizes"])
 def test_killed_rank_is_named_by_its_peer(tmp_path, transport):
     (r0, r1), codes = _run({"fault": "kill", "rank": 1, "stage": 1, "at": 1,

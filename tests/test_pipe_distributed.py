@@ -101,6 +101,14 @@ def _verify(cases: list[dict], results: list[list[dict]]) -> None:
         with torch.no_grad():
             for (x, _), out in zip(case["batches"], outs[0]):
                 torch.testing.assert_close(out, ref_model(x))
+        if case.get("input_grad"):  # x.grad on the rank of stage 0 only, as the unsplit model's
+            for step, (x, y) in enumerate(case["batches"]):
+                x = x.clone().requires_grad_()
+                models.reference(getattr(models, case["model"])(), x, y, nn.functional.mse_loss,
+                                 case["chunks"])
+                got = [r[i]["input_grads"][step] for r in results]
+                assert [g is not None for g in got] == [True] + [False] * (len(results) - 1)
+                torch.testing.assert_close(got[0], x.grad, msg=case["schedule"])
 
 
 @pytest.mark.timeout(300)
@@ -117,6 +125,7 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("dualpipev", model="embedding_model", steps=2, checkpoint="always"),
         _case("1f1b", model="five_model", balance=[2, 3], steps=2),
         _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2),
+        *[_case(s, input_grad=True, steps=2) for s in ("1f1b", "zb-h2", "zbv", "dualpipev")],
     ]
     _verify(cases, _spawn(2, cases, tmp_path))
 

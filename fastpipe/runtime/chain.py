@@ -52,8 +52,8 @@ saved-tensor hooks (offloading, ``torch.utils.checkpoint``), a weight two
 Linears share, a non-leaf or complex weight, GPU tensors (not run on a GPU
 yet), a non-2-D or non-contiguous input, a dtype that differs from the
 weights'. The
-executor itself keeps the eager path for autocast, activation checkpointing
-and a first stage whose input needs a gradient. ``FASTPIPE_CHAIN=0`` in the
+executor itself keeps the eager path for autocast and activation
+checkpointing. ``FASTPIPE_CHAIN=0`` in the
 environment turns chains off; ``fastpipe._chain`` (C++, see
 ``csrc/chain/chain.cpp``) runs them without the GIL where it was built, and
 the ops are issued from Python otherwise.

@@ -105,6 +105,27 @@ class RngState:
             yield
 
 
+@contextmanager
+def seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Runs the block with the generators a stage on ``device`` draws from
+    (the CPU's, and its GPU's for a CUDA stage) seeded with ``seed``; they
+    continue afterwards as if the block had not run. Local mode seeds each
+    stochastic forward by (step, stage, microbatch) this way, under the
+    ranks' shared lock, so dropout masks do not depend on which rank's
+    thread drew first."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+        yield
+
+
+def stage_seed(base: int, stage: int, microbatch: int) -> int:
+    """A seed for one (stage, microbatch) of a step whose draw was ``base``."""
+    return ((base * 1_000_003 + stage) * 1_000_003 + microbatch) % (1 << 63)
+
+
 def _drop(_tensor: torch.Tensor) -> None:
     return None
 

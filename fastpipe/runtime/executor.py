@@ -41,7 +41,8 @@ from fastpipe.runtime.chain import Chain, ChainWork
 from fastpipe.runtime.chain import enabled as chains_enabled
 from fastpipe.runtime.chain import gathering as chain_gathering
 from fastpipe.runtime.losses import known_loss
-from fastpipe.runtime.checkpoint import RngState, checkpointed, forgetful, guarded, recompute, stochastic
+from fastpipe.runtime.checkpoint import (RngState, checkpointed, forgetful, guarded, recompute, seeded,
+                                         stage_seed, stochastic)
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.threads import Autocast, autocast
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
@@ -121,6 +122,11 @@ class RankExecutor:
             the GIL over to the other ranks' threads, where autograd's engine
             runs a whole backward without it (local 1F1B on the narrow
             benchmark model: 37.7 ms a step with them against 20.4 ms without).
+        rng_seed: local mode with stochastic stages: a number drawn once for
+            the step; each stochastic forward then runs under the lock with
+            its generator seeded from it and its (stage, microbatch)
+            (``checkpoint.seeded``), so ``torch.manual_seed`` makes a step
+            repeat whatever order the ranks' threads ran in.
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class RankExecutor:
         fused_wgrad: bool = False,
         autocast: tuple[Autocast, bool] = ((), True),
         python_chains: bool = True,
+        rng_seed: int | None = None,
     ) -> None:
         self.rank = rank
         self.python_chains = python_chains
@@ -142,6 +149,7 @@ class RankExecutor:
         self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
+        self.rng_seed = rng_seed
         self.schedule = schedule
         self.stages = stages
         self.transport = transport
@@ -178,8 +186,13 @@ class RankExecutor:
         targets: Sequence[Any] | None,
         loss_fn: LossFn | None,
         train: bool,
+        refuse: BaseException | None = None,
     ) -> dict[int, Any]:
         """Runs every action of this rank in order.
+
+        ``refuse``: this rank's inputs were refused; the step fails with it
+        at once, through the transport's failure path, so peers learn why
+        instead of waiting out their timeout.
 
         Returns:
             On the rank of the last stage: ``{microbatch: loss}`` when training,
@@ -192,6 +205,9 @@ class RankExecutor:
         self._outbox: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
         self._weights: dict[tuple[int, int], WeightWork] = {}
         self._results: dict[int, Any] = {}
+        # Gradients of the first stage's inputs, by microbatch: the caller
+        # carries them into its own tensors (Pipe._backward_into_inputs).
+        self.input_grads: dict[int, list[torch.Tensor]] = {}
         self._held: dict[tuple[int, int], list] = {}  # received buffers in use
         self._sent: set[tuple[str, int, int]] = set()
         # The stages that run as chains this step (see fastpipe.runtime.chain).
@@ -214,6 +230,8 @@ class RankExecutor:
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         try:
             # Autocast off but where _forward and _recompute turn it on.
+            if refuse is not None:
+                raise refuse
             with grad_mode, autocast(self._amp, self._amp_cache, enabled=False):
                 self._loop()
         except BaseException as exc:
@@ -367,21 +385,24 @@ class RankExecutor:
         stage, mb = self.stages[a.stage], a.microbatch
         if a.stage == 0:
             tensors, spec = flatten(self._inputs[mb])
-            leaves = [t.to(stage.device) for t in tensors]
+            # An input that wants a gradient enters as a leaf of its own: its
+            # gradient is kept (``input_grads``) and carried into the caller's
+            # tensor once for the step, as the unsplit batch's backward would.
+            leaves = [t.detach().to(stage.device).requires_grad_() if self._train and t.requires_grad
+                      else t.to(stage.device) for t in tensors]
         else:
             received, spec = self._take(("F", a.stage, mb), a.stage - 1)
             leaves = [t.requires_grad_(self._train and t.requires_grad) for t in received]
         ckpt = self._train and checkpointed(self.checkpoint, mb, self.schedule.microbatches)
         last = a.stage == self.schedule.stages - 1
         if (a.stage in self._chains and not ckpt and spec is False
-                and not (a.stage == 0 and self._train and leaves[0].requires_grad)
                 and stage.chain.accepts(leaves[0])):
             self._forward_chain(a, stage, leaves, last)
             return
         shape_key = ("F", ckpt, *[(t.shape, t.dtype) for t in leaves]) if self._train else None
         known = stage.saved_bytes.get(shape_key) if self._train else None
         start = self._saved_bytes.total
-        with guarded(self.rng_lock if stage.stochastic else None):
+        with guarded(self.rng_lock if stage.stochastic else None), self._seeded(stage, a):
             rng = RngState.capture(stage.device) if ckpt else None
             counting = self._train and known is None
             with self._saved_bytes.counting() if counting else nullcontext():
@@ -406,6 +427,12 @@ class RankExecutor:
             # memory is freed unless autograd itself saved it for backward.
             roots = [] if ckpt else [get_gradient_edge(t) for t in tensors if needs_grad(t)]
             self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, spec=spec)
+
+    def _seeded(self, stage: Stage, a: Action):
+        """A stochastic forward's own seed, where ranks share a generator (``rng_seed``)."""
+        if self.rng_seed is None or not stage.stochastic:
+            return nullcontext()
+        return seeded(stage.device, stage_seed(self.rng_seed, a.stage, a.microbatch))
 
     def _forward_chain(self, a: Action, stage: Stage, leaves: list[torch.Tensor], last: bool
                        ) -> None:
@@ -464,7 +491,7 @@ class RankExecutor:
         if grad is None:  # the output needed no gradient: nothing before it does
             self._send_input_grads(a.stage, a.microbatch, saved.leaves, [None])
             return ChainWork([])
-        need = a.stage > 0 and x.requires_grad
+        need = x.requires_grad
         gx, work = self.stages[a.stage].chain.backward_input(saved.chain, grad, need, self.gather_w)
         work.rows = x.shape[0]
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [gx])
@@ -475,6 +502,10 @@ class RankExecutor:
 
     def _target(self, mb: int) -> Any:
         """One microbatch's target, on the last stage's device."""
+        if self._targets is None:
+            raise ValueError(
+                f"target is None on rank {self.rank}, which holds the last stage: it computes "
+                "loss_fn(output, target) there (ranks without the last stage may pass None)")
         target = self._targets[mb]
         device = self.stages[self.schedule.stages - 1].device
         return tuple(t.to(device) for t in target) if isinstance(target, tuple) else target.to(device)
@@ -534,13 +565,17 @@ class RankExecutor:
         return saved
 
     def _send_input_grads(self, stage: int, mb: int, leaves, grads) -> None:
-        if stage == 0:
-            return
+        """The gradient of each stage input that wants one (zeros where none
+        reached it): to the previous stage, or kept for the caller on stage 0."""
         out = [
             g if g is not None else torch.zeros_like(t)
             for t, g in zip(leaves, grads)
             if t.requires_grad
         ]
+        if stage == 0:
+            if out:
+                self.input_grads[mb] = out
+            return
         self._deliver(("B", stage - 1, mb), stage - 1, (out, False))
 
     def _backward(self, a: Action) -> None:
@@ -556,10 +591,7 @@ class RankExecutor:
             self._chain_weight(stage, work)
             return
         if self.fused_wgrad:
-            # A first stage's inputs are the caller's tensors: leave them among
-            # the leaves whose .grad accumulates, as a plain backward does.
-            inputs = saved.leaves if a.stage > 0 else ()
-            grads = backward_fused(saved.roots, saved.grads, inputs, self.stages[a.stage].params)
+            grads = backward_fused(saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params)
             if grads is not None:
                 self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
                 return
