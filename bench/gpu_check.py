@@ -108,8 +108,9 @@ def section_ring() -> None:
     with torch.cuda.stream(sb):
         z = y.clone()
     b.synchronize()
+    torch.cuda.synchronize()  # y is final now: z must equal it if B waited for A's event
     check("event orders a consumer stream after a producer stream",
-          torch.equal(z, (x @ x)), "matmul on stream A, clone on stream B after A's event")
+          torch.equal(z, y), "matmul on stream A, clone on stream B after A's event")
     check("events report completion", event.query())
     n = 2000
     t0 = time.perf_counter()
@@ -132,8 +133,9 @@ def section_ring() -> None:
     dst = torch.empty(src.numel() * 4 + 64, dtype=torch.uint8, device="cuda")
     done = lanes.copy(dst, [(src, 64)], after=[ready])
     lanes.synchronize(done)
+    torch.cuda.synchronize()
     back = dst[64:].view(torch.float32).view(src.shape)
-    check("copy lane copies after the producer's event", torch.equal(back, x @ x))
+    check("copy lane copies after the producer's event", torch.equal(back, src))
 
 
 # --- kernels ----------------------------------------------------------------------
@@ -318,9 +320,12 @@ def section_local() -> None:
                       "gradients", diff < 1e-4, f"max abs diff {diff:.1e}")
                 if DEV == "cuda":
                     lanes = pipe._device_lanes[0]
-                    check(f"{schedule}: ranks run on fastpipe's own streams",
-                          lanes.compute_stream.handle != torch.cuda.default_stream().cuda_stream
-                          and pipe._recv_rings is not None and bool(pipe._recv_rings.rings))
+                    caller = torch.cuda.current_stream().cuda_stream
+                    check(f"{schedule}: ranks have compute streams of their own and receive "
+                          "into the buffer ring",
+                          lanes.compute_stream.handle not in (0, caller)
+                          and pipe._recv_rings is not None and bool(pipe._recv_rings.rings),
+                          f"compute stream {lanes.compute_stream.handle:#x}, caller's {caller:#x}")
             t_pipe = _wall_time(lambda: pipe.step(x, y, loss_fn))
             if DEV == "cuda":
                 # Ring off: each rank's copies queue on its compute stream.

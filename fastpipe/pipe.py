@@ -24,8 +24,8 @@ from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
 from fastpipe.runtime.threads import autocast_state, with_caller_threads
 from fastpipe.runtime.transport import (
-    CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, flow_groups,
-    late_groups,
+    CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, connect_pairs,
+    flow_groups, late_groups,
 )
 from fastpipe.schedules import Action, Kind, Schedule, build, lower
 
@@ -279,6 +279,9 @@ class Pipe(nn.Module):
         split = self.distributed and not self.shm and dist.get_backend(group) in ("gloo", "nccl")
         self._p2p_groups = flow_groups(group) if split else {}
         self._late_groups = late_groups(group) if self._exact_messages else {}
+        if self._exact_messages:  # NCCL's pair communicators, each made before any step
+            connect_pairs([*(self._p2p_groups.values() or [group]), *self._late_groups.values()], group,
+                          self.schedule.stage_to_rank, self.rank, self.devices[self.rank])
         self._dist_transport = None  # DistTransport or ShmTransport, made at the first step
         self._recording: list | None = None  # set by step_with_timeline
         if self._stages is not None and free_remote:  # last: nothing above may fail after it

@@ -102,6 +102,7 @@ class _Timed:
 
     def __init__(self, layer: nn.Module, first: bool):
         self.layer, self.first = layer, first
+        self.device = "cpu"  # the device of the last forward (set there)
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.samples: dict[str, list[float]] = {"forward": [], "backward": [],
                                                 "input_backward": [], "weight_backward": []}
@@ -109,21 +110,33 @@ class _Timed:
     def forward(self, value, device, record: bool):
         """F on fresh leaves; returns (leaves, roots, grads) for B, I and W."""
         leaves, spec = _leaves(value, device, self.first)
+        _sync(device)
         t0 = time.perf_counter()
         out = self.layer(mbatch.unflatten(leaves, spec))
         if record:
+            _sync(device)
             self.samples["forward"].append(time.perf_counter() - t0)
+        self.device = device
         tensors, _ = mbatch.flatten(out)
         roots = [get_gradient_edge(t) for t in tensors if mbatch.needs_grad(t)]
         grads = [torch.ones_like(t) for t in tensors if mbatch.needs_grad(t)]
         return leaves, roots, grads
 
     def timed(self, name: str, fn, record: bool):
+        _sync(self.device)
         t0 = time.perf_counter()
         result = fn()
         if record:
+            _sync(self.device)
             self.samples[name].append(time.perf_counter() - t0)
         return result
+
+
+def _sync(device) -> None:
+    """On a GPU the host only queues kernels: wait for them, so a sample is
+    the layer's device time, not its launch time."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None:

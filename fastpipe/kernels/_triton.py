@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
 BLOCK = 1024  # elements per program of the elementwise kernels
+
+
+def on_tensor_device(launcher):
+    """Runs a launcher with its first argument's GPU as the current device.
+
+    Triton launches on the current device and its current stream: a rank's
+    thread whose current device is another GPU (or the default, 0) would
+    run the kernel there, on pointers into this tensor's memory."""
+
+    @functools.wraps(launcher)
+    def launch(x, *args, **kwargs):
+        if not x.is_cuda:
+            return launcher(x, *args, **kwargs)
+        with torch.cuda.device(x.device):
+            return launcher(x, *args, **kwargs)
+
+    return launch
 
 
 def grid1d(n: int, block: int = BLOCK) -> tuple[int]:

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, store
+from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, on_tensor_device, store
 
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 _CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -88,6 +88,7 @@ def _act_bwd_kernel(
     store(A + offs, a, mask, OUT_BF16)  # recomputed for the weight gradient
 
 
+@on_tensor_device
 def act_forward_triton(h: torch.Tensor, activation: str) -> torch.Tensor:
     """Launcher: ``act(h)`` by the forward kernel."""
     h = h.contiguous()
@@ -97,6 +98,7 @@ def act_forward_triton(h: torch.Tensor, activation: str) -> torch.Tensor:
     return a
 
 
+@on_tensor_device
 def act_backward_triton(h: torch.Tensor, da: torch.Tensor, activation: str):
     """Launcher: ``(dh, act(h))`` from one pass over ``h`` and ``da``."""
     h, da = h.contiguous(), da.contiguous().to(h.dtype)

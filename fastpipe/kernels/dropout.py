@@ -16,7 +16,7 @@ import triton.language as tl
 from torch import nn
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, store
+from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, on_tensor_device, store
 
 _M32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -43,6 +43,7 @@ def _dropout_kernel(
     store(Y + offs, tl.where(keep, x * scale, 0.0), mask, OUT_BF16)
 
 
+@on_tensor_device
 def dropout_triton(x: torch.Tensor, seed: int, p: float) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, store
+from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, on_tensor_device, store
 from fastpipe.kernels.activation import _CODE, _act_and_grad
 
 
@@ -67,6 +67,7 @@ def _check(x: torch.Tensor) -> int:
     return x.shape[-1] // 2
 
 
+@on_tensor_device
 def gated_forward_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
     h = _check(x)
     x = x.contiguous()
@@ -76,6 +77,7 @@ def gated_forward_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
     return y
 
 
+@on_tensor_device
 def gated_backward_triton(x: torch.Tensor, dy: torch.Tensor, activation: str) -> torch.Tensor:
     h = _check(x)
     x, dy = x.contiguous(), dy.contiguous().to(x.dtype)

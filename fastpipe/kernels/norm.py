@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastpipe.kernels._dispatch import use_triton
-from fastpipe.kernels._triton import is_bf16, store
+from fastpipe.kernels._triton import is_bf16, on_tensor_device, store
 
 
 @triton.jit
@@ -92,6 +92,7 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return x.contiguous().view(-1, n), n
 
 
+@on_tensor_device
 def norm_forward_triton(x, weight, bias, eps: float, rms: bool):
     """Launcher: (y, rstd[rows] fp32), one program per row."""
     x2, n = _rows(x)
@@ -105,6 +106,7 @@ def norm_forward_triton(x, weight, bias, eps: float, rms: bool):
     return y.view(x.shape), rstd
 
 
+@on_tensor_device
 def norm_backward_triton(x, weight, dy, rstd, rms: bool) -> torch.Tensor:
     x2, n = _rows(x)
     dy2 = dy.contiguous().view(-1, n).to(x.dtype)

@@ -7,7 +7,9 @@ A pointer table row per tensor says where to read, where to write and how:
          2 / 3 / 4: cast fp32 / fp16 / bf16 → the wire dtype   (pack)
          2 / 3 / 4: cast the wire dtype → fp32 / fp16 / bf16   (unpack)
 
-Program (t, b) handles block b of tensor t; blocks past a tensor's end exit.
+Program (b, t) handles block b of tensor t (blocks on the grid's first axis,
+which has room for 2**31 - 1 of them; the second holds 65535, a few tensors'
+worth); blocks past a tensor's end do nothing.
 Casts go through fp32 and round to nearest even explicitly (bf16 and
 float8_e4m3fn), matching ``x.to(wire).to(x.dtype)`` in torch bit for bit,
 where the interpreter's own conversions truncate or drop the carry.
@@ -91,11 +93,11 @@ def _wire_ptr(addr, WIRE: tl.constexpr):
 
 @triton.jit
 def _table_row(TABLE, BLOCK: tl.constexpr):
-    """This program's tensor (axis 0) and block of it (axis 1): its table row,
-    element offsets and mask."""
-    t = tl.program_id(0)
+    """This program's block (axis 0) of its tensor (axis 1): the tensor's
+    table row, element offsets and mask."""
+    t = tl.program_id(1)
     n = tl.load(TABLE + t * 4 + 2)
-    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     return tl.load(TABLE + t * 4), tl.load(TABLE + t * 4 + 1), tl.load(TABLE + t * 4 + 3), offs, offs < n
 
 
@@ -139,11 +141,23 @@ def _unpack_kernel(
 
 
 def _launch(kernel, rows: list[tuple[int, int, int, int]], wire: torch.dtype | None, device) -> None:
+    if len(rows) > 65535:
+        raise ValueError(f"one launch packs at most 65535 tensors, got {len(rows)}")
     if not rows:
         return
-    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    device = torch.device(device)
+    table = torch.tensor(rows, dtype=torch.int64)
     blocks = max(triton.cdiv(max(r[2], 1), PACK_BLOCK) for r in rows)
-    kernel[(len(rows), blocks)](table, WIRE=WIRE_CODES.get(wire, 0), BLOCK=PACK_BLOCK)
+    if device.type != "cuda":
+        kernel[(blocks, len(rows))](table, WIRE=WIRE_CODES.get(wire, 0), BLOCK=PACK_BLOCK)
+        return
+    # Pinned and asynchronous: a pageable copy would wait for everything the
+    # stream has queued (the caching host allocator keeps the pinned block
+    # until the copy is done). Triton launches on the current device: make
+    # it the buffer's, whatever device the calling thread had.
+    with torch.cuda.device(device):
+        table = table.pin_memory().to(device, non_blocking=True)
+        kernel[(blocks, len(rows))](table, WIRE=WIRE_CODES.get(wire, 0), BLOCK=PACK_BLOCK)
 
 
 def pack_triton(sources: list[torch.Tensor], dests: list[int], wires: list[bool],

@@ -91,6 +91,18 @@ class HostLanes:
         """Step end: the caller's later work follows the compute lane (host: already done)."""
 
 
+_PEERS: set[tuple[int, int]] = set()  # (source, destination) GPUs with peer access asked for
+
+
+def _enable_peer_access(src: int, dst: int) -> None:
+    """Peer access between two GPUs, as torch enables it: without it
+    cudaMemcpyPeerAsync is staged through the host. A one-element copy
+    between the two makes torch call cudaDeviceEnablePeerAccess (once per
+    pair, where the devices allow it)."""
+    _PEERS.add((src, dst))
+    torch.empty(1, device=f"cuda:{dst}").copy_(torch.empty(1, device=f"cuda:{src}"))
+
+
 class CudaLanes:
     """CUDA backend: a compute stream and a copy stream on ``device``, owned by fastpipe.
 
@@ -150,6 +162,8 @@ class CudaLanes:
         dst_index = dst.device.index if dst.device.type == "cuda" else -1
         if dst_index < 0:
             raise ValueError(f"CudaLanes.copy needs a CUDA destination, got {dst.device}")
+        if dst_index != self.index and (self.index, dst_index) not in _PEERS:
+            _enable_peer_access(self.index, dst_index)
         self._C.copy_regions_async(dst.data_ptr(), dst_index, srcs, self.index, offsets, sizes,
                                    self.copy_stream)
         event = self._event()

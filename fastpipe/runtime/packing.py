@@ -340,7 +340,9 @@ def pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layou
             if slot.wire is not None and not _kernel_casts(slot):
                 _view(flat, slot).copy_(t.detach())
                 continue
-            srcs.append(t.detach().contiguous())
+            # A tensor elsewhere (the host, another GPU) is brought over first:
+            # the kernel reads through raw pointers on flat's device.
+            srcs.append(t.detach().to(flat.device).contiguous())
             dests.append(flat.data_ptr() + slot.offset)
             casts.append(slot.wire is not None)
         wires = {s.wire for s in layout.slots if s.wire is not None}

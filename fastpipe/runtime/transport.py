@@ -410,6 +410,33 @@ def late_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]
     return _groups_over(_LATE_GROUPS, group, ("up", "down"), dist.get_backend(parent))
 
 
+def connect_pairs(groups: Sequence[dist.ProcessGroup], parent: dist.ProcessGroup | None,
+                  stage_to_rank: Sequence[int], rank: int, device: torch.device) -> None:
+    """One blocking exchange per pair of neighbouring ranks on each group, in
+    one order every rank follows: pairs by (lower, higher) rank, the lower
+    one sending.
+
+    Why: ProcessGroupNCCL makes a pair's communicator at the pair's first
+    P2P call on a group, and that blocks until the peer makes it too. A step
+    posts its receives first, and two neighbours' first calls are on
+    different groups (rank 0 receives gradients on "down" while rank 1
+    receives activations on "up"): each would wait for the other. Made here
+    in a total order, the pair that comes first always has both ranks at
+    it, so every pair gets connected. Collective over the pipeline's ranks.
+    """
+    pairs = sorted({(min(a, b), max(a, b)) for a, b in zip(stage_to_rank, stage_to_rank[1:])
+                    if a != b and rank in (a, b)})
+    token = torch.zeros(1, device=device)
+    for group in groups:
+        for low, high in pairs:
+            if rank == low:
+                peer = dist.get_global_rank(parent, high) if parent is not None else high
+                dist.send(token, dst=peer, group=group)
+            else:
+                peer = dist.get_global_rank(parent, low) if parent is not None else low
+                dist.recv(token, src=peer, group=group)
+
+
 def _groups_over(cache: dict, group, names: tuple[str, ...], backend: str) -> dict:
     parent = group if group is not None else dist.group.WORLD
     for stale in [p for p in cache if not _alive(p)]:
