@@ -427,7 +427,19 @@ class Pipe(nn.Module):
                 part = nn.Sequential(*(layers[i] for i in ranges[s])).to(device)
                 held[s] = Stage(s, part, device)
             stages[rank] = held
+        self._layers = tuple(layers)  # what the stages hold: see _check_layers
         return stages
+
+    def _check_layers(self) -> None:
+        """The stages hold the layers the model had when they were built: a
+        layer replaced, added or removed since would silently not train."""
+        now = tuple(self.module)
+        if now != self._layers:
+            changed = next((i for i, (a, b) in enumerate(zip(now, self._layers)) if a is not b),
+                           min(len(now), len(self._layers)))
+            raise ValueError(
+                f"the model's layers changed after the Pipe was built (layer {changed} of "
+                f"{len(self._layers)}, now {len(now)} layers): build a new Pipe over the model")
 
     def _free_remote_layers(self) -> None:
         """free_remote: the layers of other ranks' stages keep their
@@ -607,6 +619,7 @@ class Pipe(nn.Module):
         distributed mode the error comes back third, for ``_run`` to fail
         the step with on every rank."""
         try:
+            self._check_layers()
             return (*self._split(x, target), None)
         except (TypeError, ValueError) as exc:
             if not self.distributed:

@@ -110,6 +110,18 @@ def test_balance_auto_refuses_a_layer_without_data():
         _step({"devices": CPU2, "chunks": 2, "balance": "auto"}, X, Y, model=_meta_last())
 
 
+def test_a_layer_replaced_after_wrapping_is_refused():
+    model = mlp()
+    pipe = Pipe(model, chunks=2, devices=CPU2)
+    pipe.step(X, Y, F.mse_loss)
+    model[0] = nn.Linear(5, 8).double()
+    with pytest.raises(ValueError, match=r"layers changed after the Pipe was built \(layer 0 of 6"):
+        pipe.step(X, Y, F.mse_loss)
+    with pytest.raises(ValueError, match="build a new Pipe"):
+        pipe(X)
+    pipe.close()
+
+
 def test_backward_through_the_inference_output_points_to_step():
     pipe = Pipe(mlp(), chunks=2, devices=CPU2)
     out = pipe(X)

@@ -171,6 +171,9 @@ class Layout:
         return single, out, shaped
 
     def to_bytes(self) -> bytes:
+        """The layout as bytes for a message's head (``from_bytes`` reads it):
+        a version, the slot count and size, then each slot's dtypes, rank,
+        offset and shape."""
         parts = [_HEAD.pack(_VERSION, len(self.slots), self.nbytes)]
         for s in self.slots:
             wire = _CODE[s.wire] if s.wire is not None else _NO_WIRE
