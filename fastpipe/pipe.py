@@ -17,7 +17,7 @@ from torch import nn
 
 from fastpipe import _microbatch as mbatch
 from fastpipe.balance import balance_by_params
-from fastpipe.runtime.checkpoint import check_mode
+from fastpipe.runtime.checkpoint import check_mode, stochastic
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.buffers import copy_slots
@@ -548,11 +548,15 @@ class Pipe(nn.Module):
             self._split_by_time(x)
         inputs, targets, refused = self._split_inputs(x, target)
         self._input_grads = {}
-        results = self._run(self._lowered, inputs, targets, loss_fn, train=True, refuse=refused)
-        grads, self._input_grads = self._input_grads, {}
+        try:
+            results = self._run(self._lowered, inputs, targets, loss_fn, train=True, refuse=refused)
+            grads = self._input_grads
+        finally:
+            self._input_grads = {}  # a failed step's are dropped
+        loss = self._mean_loss(results)  # first: peers wait for it in distributed mode
         if grads:
             _backward_into_inputs(x, grads, self.chunks)
-        return self._mean_loss(results)
+        return loss
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
         """Like ``step``, and also returns the step's measured timeline.
@@ -689,7 +693,8 @@ class Pipe(nn.Module):
         # executor (keep_graphs), so that it runs without the GIL, and only
         # native chains replace autograd (python_chains=False).
         shared = schedule.ranks > 1 and any(
-            st.stochastic for stages in self._stages.values() for st in stages.values())
+            stochastic(st.module, training_only=True)
+            for stages in self._stages.values() for st in stages.values())
         rng_lock = threading.Lock() if self.checkpoint != "never" or shared else None
         rng_seed = int(torch.randint(0, 1 << 62, ()).item()) if shared else None
         last_rank = self._owner(schedule.stages - 1)
@@ -803,7 +808,7 @@ class _InferenceOnly(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, parameter):  # the parameter makes autograd track the output
-        return x.view_as(x)
+        return x.detach()  # not a view: in-place ops on the output stay allowed
 
     @staticmethod
     def backward(ctx, grad):

@@ -84,6 +84,22 @@ def test_seeded_dropout_repeats_across_local_ranks(schedule, monkeypatch):
             assert torch.equal(grads[name], other[name]), name
 
 
+def test_which_layers_count_as_random():
+    """Stages with these hold the ranks' lock and get their own seeds; a
+    checkpointed stage without them keeps no random state to replay."""
+    from fastpipe.kernels import SeededDropout
+    from fastpipe.runtime.checkpoint import stochastic
+
+    class Custom(nn.Module):
+        draws_random = True
+
+    assert stochastic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert stochastic(nn.Sequential(SeededDropout(0.1))) and stochastic(nn.Sequential(nn.RReLU()))
+    assert stochastic(nn.Sequential(Custom()))
+    assert not stochastic(nn.Sequential(nn.Linear(2, 2), nn.Tanh()))
+    assert not stochastic(nn.Sequential(nn.Dropout(0.1)).eval(), training_only=True)
+
+
 class _MaskLog(nn.Module):
     """Dropout that logs its mask, tagged with whether it runs in a recomputation."""
 

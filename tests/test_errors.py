@@ -130,6 +130,7 @@ def test_backward_through_the_inference_output_points_to_step():
         out.sum().backward()
     with torch.no_grad():
         assert not pipe(X).requires_grad
+    pipe(X).add_(1)  # in place on the output, as on a module's
     pipe.close()
 
 

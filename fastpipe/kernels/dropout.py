@@ -126,6 +126,8 @@ class SeededDropout(nn.Module):
         torch.Size([2, 3])
     """
 
+    draws_random = True  # fastpipe.runtime.checkpoint.stochastic: it draws a seed per call
+
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:

@@ -140,9 +140,14 @@ def _unpack_kernel(
         tl.store(dst_addr.to(tl.pointer_type(tl.bfloat16)) + offs, to_bf16_rne(x), mask=mask)
 
 
+_MAX_ROWS = 65535  # tensors per launch: the grid's second axis
+
+
 def _launch(kernel, rows: list[tuple[int, int, int, int]], wire: torch.dtype | None, device) -> None:
-    if len(rows) > 65535:
-        raise ValueError(f"one launch packs at most 65535 tensors, got {len(rows)}")
+    if len(rows) > _MAX_ROWS:  # rare (a message of that many tensors): several launches
+        for start in range(0, len(rows), _MAX_ROWS):
+            _launch(kernel, rows[start : start + _MAX_ROWS], wire, device)
+        return
     if not rows:
         return
     device = torch.device(device)

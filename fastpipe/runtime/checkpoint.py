@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -74,10 +74,28 @@ def checkpointed(mode: str, microbatch: int, microbatches: int) -> bool:
     return False
 
 
-def stochastic(module: nn.Module) -> bool:
-    """True when ``module`` holds a layer known to draw random numbers in training."""
+def stochastic(module: nn.Module, training_only: bool = False) -> bool:
+    """True when ``module`` holds a layer known to draw random numbers in
+    training: torch's dropouts and RReLU, and any layer whose class (or
+    instance) sets ``draws_random = True`` (fastpipe's ``SeededDropout``
+    does; a custom random layer can too). ``training_only``: only layers in
+    training mode count."""
     kinds = (nn.modules.dropout._DropoutNd, nn.RReLU)
-    return any(isinstance(m, kinds) for m in module.modules())
+    return any((isinstance(m, kinds) or getattr(m, "draws_random", False) is True)
+               and (m.training or not training_only) for m in module.modules())
+
+
+class _NoRandom:
+    """The random state of a checkpointed stage that draws none: nothing to
+    replay, and nothing to touch on the generator other ranks' threads
+    share (``RngState.replay`` sets it, which would move their draws)."""
+
+    @staticmethod
+    def replay():
+        return nullcontext()
+
+
+NO_RANDOM = _NoRandom()
 
 
 @dataclass

@@ -41,8 +41,8 @@ from fastpipe.runtime.chain import Chain, ChainWork
 from fastpipe.runtime.chain import enabled as chains_enabled
 from fastpipe.runtime.chain import gathering as chain_gathering
 from fastpipe.runtime.losses import known_loss
-from fastpipe.runtime.checkpoint import (RngState, checkpointed, forgetful, guarded, recompute, seeded,
-                                         stage_seed, stochastic)
+from fastpipe.runtime.checkpoint import (NO_RANDOM, RngState, checkpointed, forgetful, guarded,
+                                         recompute, seeded, stage_seed, stochastic)
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.threads import Autocast, autocast
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
@@ -84,7 +84,7 @@ class _Saved:
     roots: list[torch.Tensor | GradientEdge]  # the loss tensor, or edges of the outputs
     leaves: list[torch.Tensor]
     grads: list[torch.Tensor | None] | None = None  # set once received
-    rng: RngState | None = None  # checkpointed: roots come from a recomputation
+    rng: RngState | Any = None  # checkpointed (RngState or NO_RANDOM): roots come from a recomputation
     spec: Any = False  # structure of the stage input (see _microbatch.Spec)
     # A chain's forward: what its backward reads (roots are then the loss
     # alone, on the last stage, whose output ``out`` is a leaf).
@@ -403,7 +403,11 @@ class RankExecutor:
         known = stage.saved_bytes.get(shape_key) if self._train else None
         start = self._saved_bytes.total
         with guarded(self.rng_lock if stage.stochastic else None), self._seeded(stage, a):
-            rng = RngState.capture(stage.device) if ckpt else None
+            # Where ranks share a generator (a lock), a stage with no random
+            # layer keeps no state to replay: replaying would set the shared
+            # generator under another rank's seeded forward.
+            rng = None if not ckpt else RngState.capture(stage.device) \
+                if stage.stochastic or self.rng_lock is None else NO_RANDOM
             counting = self._train and known is None
             with self._saved_bytes.counting() if counting else nullcontext():
                 with forgetful() if ckpt else nullcontext(), self._autocast():
