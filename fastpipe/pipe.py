@@ -609,6 +609,12 @@ class Pipe(nn.Module):
     def _owner(self, stage: int) -> int:
         return self.schedule.stage_to_rank[stage]
 
+    def __reduce_ex__(self, protocol):
+        # copy.deepcopy and pickle land here: a copy would share or lose the
+        # worker lanes, buffer rings and process groups the stages run on.
+        raise TypeError("a Pipe cannot be copied or pickled: copy the model (or save its "
+                        "state_dict) and wrap the copy in a new Pipe")
+
     def _check_not_broken(self) -> None:
         if self._broken is not None:
             raise RuntimeError(

@@ -122,6 +122,17 @@ def test_a_layer_replaced_after_wrapping_is_refused():
     pipe.close()
 
 
+def test_a_pipe_is_not_copied_or_pickled():
+    import copy
+    import pickle
+
+    pipe = Pipe(mlp(), chunks=2, devices=CPU2)
+    for attempt in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled: copy the model"):
+            attempt(pipe)
+    pipe.close()
+
+
 def test_backward_through_the_inference_output_points_to_step():
     pipe = Pipe(mlp(), chunks=2, devices=CPU2)
     out = pipe(X)

@@ -1100,5 +1100,6 @@ def _wait_until(work: dist.Work, deadline: float) -> bool:
 
 
 def _timeout_message(what: str, timeout: float, peer: int | None) -> str:
-    hint = f"; pipeline rank {peer} may be stuck or slow" if peer is not None else ""
+    hint = (f"; pipeline rank {peer} may be stuck, slow, or in another call (every rank must "
+            "call step() together, or pipe(x) together)") if peer is not None else ""
     return f"{what} not done within timeout={timeout} s{hint} (Pipe(timeout=...) sets the limit)"
