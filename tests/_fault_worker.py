@@ -92,6 +92,11 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
                     xs = x[:2]
                 elif case["fault"] == "no_target":  # on the rank of the last stage
                     ys = None
+            if case["fault"] == "mismatch" and case.get("rank") == rank and step == case.get("at"):
+                with torch.no_grad():
+                    pipe(xs)  # while the other rank trains
+                result["losses"].append(None)
+                continue
             result["losses"].append(pipe.step(xs, ys, nn.functional.mse_loss).item())
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test

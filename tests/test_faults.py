@@ -100,6 +100,18 @@ def test_bad_input_on_one_rank_fails_both_at_once(tmp_path, fault, rank, message
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_in_another_call_fails_its_peer_at_once(tmp_path, transport):
+    """Rank 1 (the last stage) runs pipe(x) while rank 0 runs step(): the
+    first message tells rank 1, which fails, and rank 0 learns why."""
+    (r0, r1), codes = _run({"fault": "mismatch", "rank": 1, "at": 1, **TRANSPORTS[transport]},
+                           tmp_path)
+    _failed_fast(r1, "CallMismatch", "pipeline rank 0 runs step() while this rank runs pipe(x)")
+    _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "every rank must make the same call")
+    assert codes == [0, 0]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "gloo-sizes"])
 def test_killed_rank_is_named_by_its_peer(tmp_path, transport):
     (r0, r1), codes = _run({"fault": "kill", "rank": 1, "stage": 1, "at": 1,

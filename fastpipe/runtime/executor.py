@@ -45,6 +45,7 @@ from fastpipe.runtime.checkpoint import (NO_RANDOM, RngState, checkpointed, forg
                                          recompute, seeded, stage_seed, stochastic)
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.threads import Autocast, autocast
+from fastpipe.runtime.transport import CallMismatch
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -235,7 +236,12 @@ class RankExecutor:
             with grad_mode, autocast(self._amp, self._amp_cache, enabled=False):
                 self._loop()
         except BaseException as exc:
-            self.transport.fail(exc, self._unsent())
+            unsent = self._unsent()
+            if isinstance(exc, CallMismatch):
+                # The peer runs the other call's list: it may wait for messages
+                # this one never sends (gradients, when this rank is in pipe(x)).
+                unsent += self._all_backward_sends(unsent)
+            self.transport.fail(exc, unsent)
             raise
         finally:
             for i in self._chains:  # no reference to the parameters outlives the step
@@ -293,6 +299,14 @@ class RankExecutor:
             if key not in self._sent:
                 out.append((key, dst))
         return out
+
+    def _all_backward_sends(self, known) -> list[tuple[tuple[str, int, int], int]]:
+        """(key, destination rank) of every gradient this rank's stages send
+        in a training step, but those sent or in ``known``."""
+        skip = self._sent | {key for key, _ in known}
+        return [(("B", s - 1, mb), self._owner(s - 1)) for s in sorted(self.stages) if s > 0
+                for mb in range(self.schedule.microbatches)
+                if ("B", s - 1, mb) not in skip and self._owner(s - 1) != self.rank]
 
     def _release(self, key: tuple[int, int]) -> None:
         for pending in self._held.pop(key, ()):

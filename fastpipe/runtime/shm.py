@@ -51,8 +51,8 @@ from fastpipe._microbatch import Spec, needs_grad
 from fastpipe.runtime.buffers import BufferRing
 from fastpipe.runtime.packing import Layout, pack_into
 from fastpipe.runtime.transport import (
-    Key, Payload, PeerError, _describe, _prefixed, _timeout_message, encode_head, head_block,
-    read_head, received, write_head,
+    _INFERENCE, Key, Payload, PeerError, _describe, _prefixed, _timeout_message, check_mode,
+    encode_head, head_block, read_head, received, step_mode, write_head,
 )
 from fastpipe.schedules import Action
 
@@ -200,6 +200,12 @@ def _first_error(error: str | None, group, ranks: int) -> str | None:
     return next((e for e in everyone if e is not None), None)
 
 
+def _key_of(tag: int, stages: int) -> Key:
+    """Inverse of ``ShmTransport.tag``."""
+    rest = tag >> 1
+    return ("B" if tag & 1 else "F", rest % stages, rest // stages)
+
+
 class _ShmRecv:
     """A pending receive: ``wait`` takes the message (or one before it) off the ring."""
 
@@ -243,6 +249,7 @@ class ShmTransport:
         self._rings: dict[tuple[str, int], BufferRing] = {}
         self._largest: dict[tuple[str, int], int] = {}  # stream -> bytes of its largest message
         self._arrived: dict[int, dict[int, tuple]] = {src: {} for src in readers}
+        self._mode = 0  # this step's message flag (transport.step_mode)
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
@@ -260,6 +267,7 @@ class ShmTransport:
         return ring, largest
 
     def begin(self, actions: Sequence[Action]) -> None:
+        self._mode = step_mode(actions)
         for arrived in self._arrived.values():
             for _, _, held in arrived.values():
                 if held is not None:
@@ -269,15 +277,17 @@ class ShmTransport:
     def send(self, tensors: list[torch.Tensor], spec: Spec, dst: int, key: Key) -> None:
         layout = Layout.plan(tensors, self.wire.get(key[0]))
         grads = tuple(map(needs_grad, tensors))
-        # A stream sends the same head every microbatch: encode it once.
-        head = self._heads.get(key[:2])
+        # A stream sends the same head every microbatch: encode it once
+        # (per call kind: the prefix carries step_mode's flag).
+        stream = (*key[:2], self._mode)
+        head = self._heads.get(stream)
         # Only plain specs are compared (a structure's plain values could
         # compare as anything); the others are encoded every time.
         if (head is None or head[0] is not layout or head[1] != grads or head[2] is not spec
                 or not isinstance(spec, bool)):
             encoded = encode_head(layout, spec, grads)
-            head = self._heads[key[:2]] = (layout, grads, spec, encoded, head_block(encoded),
-                                           _prefixed(encoded))
+            head = self._heads[stream] = (layout, grads, spec, encoded,
+                                          head_block(encoded, self._mode), _prefixed(encoded))
         _, _, _, encoded, block, start = head
         total = start + layout.nbytes
         used, offsets, sizes, plain = layout._regions
@@ -292,7 +302,7 @@ class ShmTransport:
             if self._send_buf.numel() < total:
                 self._send_buf = torch.empty(max(total, 2 * self._send_buf.numel()), dtype=torch.uint8)
             buf = self._send_buf[:total]
-            write_head(buf, encoded)
+            write_head(buf, encoded, self._mode)
             pack_into(buf[start:], tensors, layout)
             status = self.link.send(ch, tag, buf.data_ptr(), total, self.timeout)
         if status != _OK:
@@ -318,7 +328,10 @@ class ShmTransport:
             if status != _OK:
                 ring.put(slot)
                 raise self._error(status, src, ch, f"{_describe(key)} from rank {src}")
-            start, _, layout, spec, grads = read_head(buf)
+            start, flags, layout, spec, grads = read_head(buf)
+            if flags & _INFERENCE != self._mode:
+                ring.put(slot)
+                check_mode(flags, self._mode, src, _key_of(tag, self.stages))
             tensors = received(buf, start, layout, grads)
             held = (ring, slot)
             if all(s.wire is not None for s in layout.slots):  # cast copies: no view left

@@ -463,6 +463,31 @@ _PREFIX = 16
 _PREFIX_WORDS = struct.Struct("=qq")  # data offset, flags
 _OVERSIZE = 1
 _ABORT = 2  # the sender failed: the rest of the message is its reason (utf-8)
+# Sent from pipe(x) (inference), not step(): the keys are the same, so a
+# rank that receives a message of the other kind knows its peer is in
+# another call and fails the step at once instead of waiting out the timeout.
+_INFERENCE = 4
+
+
+def step_mode(actions: Sequence[Action]) -> int:
+    """The flag a rank's messages carry for this action list: ``_INFERENCE``
+    unless it has backward actions (every rank's training list has)."""
+    backward = (Kind.B, Kind.I, Kind.W)
+    return 0 if any(a.kind in backward for a in actions) else _INFERENCE
+
+
+class CallMismatch(RuntimeError):
+    """A peer is in another call (``step`` here, ``pipe(x)`` there, or the reverse)."""
+
+
+def check_mode(flags: int, mode: int, src: int, key) -> None:
+    """Raises CallMismatch when a message was sent from the other call than this rank's."""
+    if flags & _INFERENCE != mode:
+        theirs, ours = ("pipe(x)", "step()") if flags & _INFERENCE else ("step()", "pipe(x)")
+        raise CallMismatch(
+            f"pipeline rank {src} runs {theirs} while this rank runs {ours} ({_describe(key)} "
+            "came from it): every rank must make the same call, step() together or pipe(x) "
+            "together")
 _MIN_POST = 256  # bytes of a receive buffer before any size is known (>= any notice)
 _HEAD = struct.Struct("<BHI")  # spec kind, tensors, pickled-spec bytes
 
@@ -685,6 +710,7 @@ class DistTransport:
     _expected: list = field(default_factory=list)  # this step's receives: [(key, src)]
     _posted: set = field(default_factory=set)  # keys whose receive was posted
     _window: deque = field(default_factory=deque)  # inline: receives not posted yet
+    _mode: int = 0  # this step's message flag: step_mode
 
     posts_ahead = True  # every receive of a step is handed over when it starts
 
@@ -748,6 +774,7 @@ class DistTransport:
             }
             self._recv_rings[id(actions)] = rings
         self._rings = rings
+        self._mode = step_mode(actions)
         self._sends = []
         self._events = []
         self._posted = set()
@@ -799,7 +826,7 @@ class DistTransport:
             notice = _message(total, _OVERSIZE, b"", posted, self.buffers)
             # A one-off size: not worth a slot.
             buf = torch.empty(total, dtype=torch.uint8, device=self.buffers)
-            write_head(buf, head)
+            write_head(buf, head, self._mode)
             pack_into(buf[start:], tensors, layout)
             late, late_tag = self._late(key)
             return [(dist.isend(notice, dst=peer, group=group, tag=tag), notice, None, -1, dst),
@@ -810,7 +837,7 @@ class DistTransport:
                 1, self.buffers, growable=True, timeout=self.timeout
             )
         slot, buf = ring.get(max(total, posted))  # exact: padded to what the receiver posted
-        write_head(buf, head)
+        write_head(buf, head, self._mode)
         pack_into(buf[start:], tensors, layout)
         return [(dist.isend(buf, dst=peer, group=group, tag=tag), buf, ring, slot, dst)]
 
@@ -931,7 +958,8 @@ class DistTransport:
                 work = self._irecv_late(buf, src, key)
                 self._wait(work, what, src)
                 host = host_bytes(buf)
-            start, _, layout, spec, grads = read_head(buf, host)
+            start, flags, layout, spec, grads = read_head(buf, host)
+            check_mode(flags, self._mode, src, key)
             self._note(key, start + layout.nbytes)
             tensors = received(buf, start, layout, grads)
             staged = buf.device.type != self.device.type  # gloo with a GPU: host buffers
