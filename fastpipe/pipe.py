@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpipe import _microbatch as mbatch
+from fastpipe._ties import TiedGrads, check_local, find_ties
 from fastpipe.balance import balance_by_params
 from fastpipe.runtime.checkpoint import check_mode, stochastic
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
@@ -158,6 +159,15 @@ class Pipe(nn.Module):
     the first microbatch of the first ``step``: the model is split then, on
     the rank holding the input in distributed mode, and shared with the others.
 
+    A parameter used by layers of several stages (a tied embedding, a module
+    at two depths) gets the unsplit model's gradient, the sum of every use's:
+    stages of one rank share it as they are; across ranks, distributed mode
+    sums each rank's share over the group after every ``step`` (one
+    ``all_reduce`` per dtype), so each rank that uses it holds the whole
+    gradient and, stepping its optimizer like the others, keeps its copy
+    equal to theirs. Local mode refuses a tie across ranks (ValueError):
+    its ranks are threads that would add into one tensor at once.
+
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> pipe = Pipe(model, chunks=4, schedule="1f1b", devices=["cpu", "cpu"])
@@ -240,8 +250,10 @@ class Pipe(nn.Module):
             raise ValueError(f"balance must be a list of ints, None or 'auto', got {balance!r}")
         auto = balance == "auto"  # split at the first step, by measured time
         resolved = _resolve_balance(None if auto else balance, model, self.schedule.stages)
+        self._ties: list = []  # parameters used by several stages (fastpipe._ties)
+        self._tied = None  # distributed: TiedGrads, when some tie spans ranks
         if not auto:
-            _check_no_shared_params(model, resolved)
+            self._find_ties(model, resolved)
         if recompute == "selective":  # changes the user's model in place: after every check
             from fastpipe.kernels import selective_recompute
 
@@ -314,7 +326,7 @@ class Pipe(nn.Module):
             dist.broadcast_object_list(box, src=src, group=self.group)
             balance = box[0]
         self.balance = _resolve_balance(balance, self.module, self.schedule.stages)
-        _check_no_shared_params(self.module, self.balance)
+        self._find_ties(self.module, self.balance)
         self._stages = self._build_stages()
         if self.distributed:  # every rank raises, or none
             everyone: list = [None] * self.schedule.ranks
@@ -363,6 +375,8 @@ class Pipe(nn.Module):
             "wire_dtype": str(self._wire["F"]), "grad_wire_dtype": str(self._wire["B"]),
             "exact messages": self._exact_messages,  # tags or order: both ends must agree
             "shm": shm,  # the rings are set up collectively: every rank must take part
+            # Summed after every step by all ranks together (fastpipe._ties).
+            "tied parameters": tuple((t.name, t.stages) for t in self._ties),
         }
         everyone: list = [None] * self.schedule.ranks
         dist.all_gather_object(everyone, (mine, self._problem), group=self.group)
@@ -387,7 +401,9 @@ class Pipe(nn.Module):
         """
         out = {}
         for rank in self._local_ranks():
-            params = [p for st in (self._stages or {}).get(rank, {}).values() for p in st.module.parameters()]
+            # Once each: stages of one rank may share a parameter.
+            params = list({id(p): p for st in (self._stages or {}).get(rank, {}).values()
+                           for p in st.module.parameters()}.values())
             p_bytes = sum(p.numel() * p.element_size() for p in params)
             g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
             act = self._memory.get(rank, 0)
@@ -400,10 +416,19 @@ class Pipe(nn.Module):
 
     def _layer_ranges(self) -> list[range]:
         """The model's layer indices of each stage."""
-        bounds = [0]
-        for n in self.balance:
-            bounds.append(bounds[-1] + n)
-        return [range(bounds[s], bounds[s + 1]) for s in range(self.schedule.stages)]
+        return _ranges(self.balance)
+
+    def _find_ties(self, model: nn.Sequential, balance: list[int]) -> None:
+        """Parameters that layers of several stages use (``fastpipe._ties``):
+        refused across ranks in local mode, summed across ranks after each
+        step in distributed mode."""
+        self._ties = find_ties(model, _ranges(balance), self.schedule.stage_to_rank)
+        if not self.distributed:
+            check_local(self._ties)
+            return
+        across = [t for t in self._ties if len(t.ranks) > 1]
+        tied = TiedGrads(across, self.rank, self.devices[self.rank], self.group)
+        self._tied = tied if tied else None
 
     def _build_stages(self) -> dict[int, dict[int, Stage]]:
         """This process's stages, on their devices. A layer holding meta
@@ -444,12 +469,17 @@ class Pipe(nn.Module):
     def _free_remote_layers(self) -> None:
         """free_remote: the layers of other ranks' stages keep their
         parameters' and buffers' shapes and dtypes on the meta device, and
-        their data is freed (once nothing else holds it)."""
+        their data is freed (once nothing else holds it). A tensor that a
+        local stage uses too (a tied parameter, a module used twice) stays."""
         layers = list(self.module)
-        for s, layer_range in enumerate(self._layer_ranges()):
-            if self.schedule.stage_to_rank[s] != self.rank:
+        ranges = self._layer_ranges()
+        mine = [s for s in range(self.schedule.stages) if self.schedule.stage_to_rank[s] == self.rank]
+        keep = {id(t) for s in mine for i in ranges[s]
+                for t in itertools.chain(layers[i].parameters(), layers[i].buffers())}
+        for s, layer_range in enumerate(ranges):
+            if s not in mine:
                 for i in layer_range:
-                    _to_meta(layers[i])
+                    _to_meta(layers[i], keep)
 
     def _lanes(self) -> int:
         """Lanes of the native ring this pipe uses (created on first use)."""
@@ -548,14 +578,24 @@ class Pipe(nn.Module):
             self._split_by_time(x)
         inputs, targets, refused = self._split_inputs(x, target)
         self._input_grads = {}
+        tied = self._tied
+        if tied is not None:
+            tied.begin()  # .grad of parameters tied across ranks: this step's share only
         try:
             results = self._run(self._lowered, inputs, targets, loss_fn, train=True, refuse=refused)
             grads = self._input_grads
+        except BaseException:
+            if tied is not None:
+                tied.restore()
+            raise
         finally:
             self._input_grads = {}  # a failed step's are dropped
         loss = self._mean_loss(results)  # first: peers wait for it in distributed mode
         if grads:
             _backward_into_inputs(x, grads, self.chunks)
+        if tied is not None:
+            self._finish_loss_broadcast()
+            tied.reduce()
         return loss
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
@@ -865,16 +905,17 @@ def _meta_problem(layers: list[nn.Module], indices: Sequence[int]) -> str | None
     return None
 
 
-def _to_meta(module: nn.Module) -> None:
+def _to_meta(module: nn.Module, keep: set[int] = frozenset()) -> None:
     """Swaps every parameter and buffer of ``module`` for a meta tensor of
     the same shape, dtype and ``requires_grad`` (a tensor's ``.data`` cannot
     change to the meta device, so the module's entries are replaced; a
-    parameter used twice inside ``module`` stays one parameter)."""
+    parameter used twice inside ``module`` stays one parameter), except
+    those whose ``id`` is in ``keep``."""
     swapped: dict[int, torch.Tensor] = {}
     for sub in module.modules():
         for table, make in ((sub._parameters, _meta_parameter), (sub._buffers, _meta_tensor)):
             for name, t in table.items():
-                if t is not None and not t.is_meta:
+                if t is not None and not t.is_meta and id(t) not in keep:
                     if id(t) not in swapped:
                         swapped[id(t)] = make(t)
                     table[name] = swapped[id(t)]
@@ -1008,20 +1049,10 @@ def _resolve_balance(balance, model: nn.Sequential, stages: int) -> list[int]:
     return balance
 
 
-def _check_no_shared_params(model: nn.Sequential, balance: list[int]) -> None:
-    owner: dict[int, int] = {}
-    layer = 0
-    for stage, n in enumerate(balance):
-        for child in list(model)[layer : layer + n]:
-            for name, p in child.named_parameters():
-                seen = owner.setdefault(id(p), stage)
-                if seen != stage:
-                    raise ValueError(
-                        f"parameter {name!r} of layer {layer} is shared by stages {seen} and "
-                        f"{stage} (tied weights across stages are not supported); put the "
-                        "layers that share it into one stage with balance="
-                    )
-            layer += 1
+def _ranges(balance: Sequence[int]) -> list[range]:
+    """The layer indices of each stage under ``balance``."""
+    bounds = list(itertools.accumulate(balance, initial=0))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def _forward_schedule(schedule: Schedule) -> Schedule:

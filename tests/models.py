@@ -45,6 +45,26 @@ def embedding_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
     ).to(dtype)
 
 
+def tied_mlp(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """An MLP whose layers 1 and 6 are one module: balanced [2, 2, 2, 2] the
+    tie joins stages 0 and 3 (one rank under V placement), [4, 4] stages 0 and 1."""
+    torch.manual_seed(seed)
+    shared = nn.Linear(8, 8)
+    return nn.Sequential(nn.Linear(5, 8), shared, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 8), shared, nn.Linear(8, 3)).to(dtype)
+
+
+def tied_embedding_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """Token ids → embedding → MLP → projection onto the vocabulary with the
+    embedding's own weight (a language model's tied embedding) → 3 outputs."""
+    torch.manual_seed(seed)
+    embedding = nn.Embedding(11, 8)
+    head = nn.Linear(8, 11, bias=False)
+    head.weight = embedding.weight
+    return nn.Sequential(embedding, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), head,
+                         nn.Linear(11, 3)).to(dtype)
+
+
 def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
     """Loss and grads of the unsplit model: mean over microbatches of loss_fn."""
     xs = torch.tensor_split(x, chunks)

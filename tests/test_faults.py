@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
-from tests.models import mlp
 
 pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[1]

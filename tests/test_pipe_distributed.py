@@ -61,7 +61,7 @@ def _batches(model: str, steps: int, rows: int = 10):
     torch.manual_seed(7)
     out = []
     for step in range(steps):
-        if model == "embedding_model":
+        if model in ("embedding_model", "tied_embedding_model"):
             seq = 4 + step  # a different sequence length every step
             out.append((torch.randint(0, 11, (rows, seq)),
                         torch.randn(rows, seq, 3, dtype=torch.float64)))
@@ -91,7 +91,9 @@ def _verify(cases: list[dict], results: list[list[dict]]) -> None:
             for step, loss in enumerate(got["losses"]):  # every rank gets the loss
                 torch.testing.assert_close(loss, expected_losses[step])
             for name, g in got["grads"].items():
-                assert name not in grads, f"{name} has a gradient on two ranks"
+                if name in grads:  # a parameter tied across ranks: the same sum on each
+                    assert case.get("tied"), f"{name} has a gradient on two ranks"
+                    torch.testing.assert_close(g, grads[name], rtol=0, atol=0)
                 grads[name] = g
         assert grads.keys() == ref_grads.keys(), case["schedule"]
         for name in grads:
@@ -186,6 +188,37 @@ def test_free_remote_keeps_only_the_local_stages(tmp_path):
                             refused.pop())
 
 
+TIED = {"model": "tied_mlp", "tied": True, "steps": 2}  # layers 1 and 6 are one Linear
+TIED_EMBEDDING = {"model": "tied_embedding_model", "tied": True, "steps": 2}
+
+
+@pytest.mark.timeout(300)
+def test_parameters_tied_across_stages(tmp_path):
+    """A parameter used by stages on both ranks (or twice on one) gets the
+    unsplit model's gradient on every rank that uses it, accumulated over
+    two steps: over gloo and shared memory, with NCCL's message rules, on
+    lanes, with fused weight gradients, and with free_remote (which keeps
+    what a local stage uses)."""
+    cases = [
+        *[_case(s, balance=[4, 4], **TIED) for s in ("gpipe", "1f1b", "zb-h1", "zb-h2")],
+        _case("interleaved-1f1b", balance=[2, 1, 3, 2], **TIED),  # stages 0 (rank 0) and 3 (rank 1)
+        _case("zbv", balance=[2, 2, 2, 2], **TIED),  # stages 0 and 3: both on rank 0
+        _case("1f1b", balance=[4, 4], exact=True, overlap=False, **TIED),
+        _case("zb-h1", balance=[4, 4], overlap=True, fused=True, **TIED),
+        _case("1f1b", balance=[4, 4], free_remote=True, **TIED),
+        _case("1f1b", chunks=3, balance=[2, 4], **TIED_EMBEDDING),
+        _case("zb-h2", balance=[2, 4], **TIED_EMBEDDING, **SHM),
+        _case("dualpipev", balance=[1, 2, 1, 2], **TIED_EMBEDDING),
+    ]
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for i, case in enumerate(cases):
+        held = [set(r[i]["grads"]) for r in results]
+        tied = "1.weight" if case["model"] == "tied_mlp" else "0.weight"
+        across = case["schedule"] not in ("zbv", "dualpipev")
+        assert [tied in h for h in held] == [True, across], case["schedule"]
+
+
 @pytest.mark.timeout(300)
 def test_two_ranks_fused_weight_grads(tmp_path):
     """fused_wgrad: every schedule, inline and on lanes, Linears with and
@@ -253,6 +286,8 @@ def test_four_ranks_subset(tmp_path):
     cases += [_case(s, model="mlp_deep", chunks=8, **SHM) for s in ("1f1b", "zbv", "dualpipev")]
     cases += [_case(s, model="mlp_deep", chunks=8, shm_capacity=64, steps=2, **SHM)
               for s in ("interleaved-1f1b", "zbv")]
+    # A tie between ranks 0 and 3: the middle ranks add zeros to its sum.
+    cases.append(_case("1f1b", balance=[2, 2, 2, 2], **TIED))
     results = _spawn(4, cases, tmp_path)
     _verify(cases, results)
     assert any(r[i]["staged"] for r in results for i, c in enumerate(cases) if c.get("shm_capacity"))
@@ -266,6 +301,7 @@ def test_two_pipelines_on_subgroups(tmp_path):
     own ranks."""
     cases = [_case(s, pairs=True, steps=2) for s in ("1f1b", "zbv")]
     cases.append(_case("zbv", pairs=True, steps=2, **SHM))  # rings per pipeline, by their own ranks
+    cases.append(_case("1f1b", pairs=True, balance=[4, 4], **TIED))  # summed within each pipeline
     results = _spawn(4, cases, tmp_path)
     _verify(cases, results[:2])
     _verify(cases, results[2:])

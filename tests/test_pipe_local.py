@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
+from fastpipe.runtime.chain import enabled as chains_enabled
 from fastpipe.schedules import names
-from tests.models import amp_model, amp_reference, embedding_model, mlp, reference, tuple_model
+from tests.models import (amp_model, amp_reference, embedding_model, mlp, reference, tied_embedding_model,
+                          tied_mlp, tuple_model)
 
 F = nn.functional
 
@@ -66,6 +68,48 @@ def test_integer_input_embedding_first(schedule):
     x = torch.randint(0, 11, (8, 4))
     y = torch.randn(8, 4, 3, dtype=torch.float64)
     _check(embedding_model, x, y, F.mse_loss, schedule, 2, 4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"])
+def test_parameter_shared_by_stages_of_one_rank(schedule, fused):
+    # Stages 0 and 3 share a Linear and land on rank 0 with V placement
+    # (interleaved and looped put 0 and 2 on rank 0: [2, 3, 2, 1] splits the tie so).
+    torch.manual_seed(6)
+    x, y = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64)
+    balance = [2, 2, 2, 2] if schedule in ("zbv", "dualpipev") else [2, 3, 2, 1]
+    ref_model = tied_mlp()
+    ref_loss, ref_grads = reference(ref_model, x, y, F.mse_loss, 4)
+    model = tied_mlp()
+    pipe = Pipe(model, chunks=4, schedule=schedule, balance=balance, devices=["cpu"] * 2,
+                stages_per_rank=2, fused_wgrad=fused)
+    try:
+        if chains_enabled():  # both stages of the tie run as chains (Linear and Tanh only)
+            assert all(st.chain is not None for st in pipe._stages[0].values())
+        for step in range(2):  # the second step accumulates onto the first's .grad
+            loss = pipe.step(x, y, F.mse_loss)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, (step + 1) * ref_grads[name], rtol=1e-10,
+                                           atol=1e-12, msg=name)
+    finally:
+        pipe.close()
+    assert model[1] is model[6] and model[1].weight.grad is model[6].weight.grad
+    held = {id(p): p for i in (0, 1, 6, 7) for p in model[i].parameters()}  # stages 0 and 3
+    if schedule in ("zbv", "dualpipev"):  # the shared Linear counts once
+        assert pipe.memory_stats()[0]["params"] == sum(p.numel() * 8 for p in held.values())
+
+
+def test_tied_embedding_on_one_rank():
+    torch.manual_seed(7)
+    x, y = torch.randint(0, 11, (6, 4)), torch.randn(6, 4, 3, dtype=torch.float64)
+    _check(tied_embedding_model, x, y, F.mse_loss, "zbv", 2, 3, balance=[1, 2, 1, 2])
+
+
+def test_parameter_shared_across_local_ranks_is_refused():
+    with pytest.raises(ValueError, match=r"parameter '1.weight' is used by stages 0 and 1, on ranks "
+                                         r"0 and 1: in local mode"):
+        Pipe(tied_mlp(), chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
 
 
 def _input_grads(schedule, chunks, fused=False, checkpoint="never"):

@@ -1,0 +1,174 @@
+"""Tied parameters: one parameter used by layers of several stages.
+
+Language models tie the input embedding to the output projection, and a
+block reused at two depths shares all its weights. The unsplit model's
+backward sums every use's gradient into one ``.grad``; a pipeline must do
+the same, whichever ranks the uses run on:
+
+- uses on one rank (V placement puts stage 0 and the last stage on rank 0)
+  share the parameter object, and each stage's backward (autograd's, or a
+  chain's, which reads ``.grad`` when it adds to it) accumulates into it in
+  turn, on the rank's one thread;
+- uses on several ranks in distributed mode hold a copy each (every
+  process built the whole model). After the step each rank's share of the
+  gradient is summed over the pipeline group, one ``all_reduce`` per
+  dtype, so every rank that uses the parameter ends the step with the full
+  gradient and, stepping its optimizer like the others, keeps its copy in
+  step with theirs (what Megatron does for tied embeddings);
+- uses on several ranks in local mode (threads of one process, possibly on
+  different devices) are refused: the ranks would accumulate into one
+  tensor from different threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class Tie:
+    """A parameter that layers of more than one stage use.
+
+    Attributes:
+        name: Its name in ``model.named_parameters()`` (the first use).
+        param: The parameter, as this process holds it.
+        stages: The stages whose layers use it, in increasing order.
+        ranks: The ranks holding those stages, in increasing order.
+    """
+
+    name: str
+    param: nn.Parameter
+    stages: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+
+def find_ties(model: nn.Sequential, ranges: Sequence[range], stage_to_rank: Sequence[int]) -> list[Tie]:
+    """Every parameter used by layers of two or more stages, in the model's parameter order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    layers = list(model)
+    users: dict[int, tuple[nn.Parameter, set[int]]] = {}
+    for stage, layer_range in enumerate(ranges):
+        for i in layer_range:
+            for p in layers[i].parameters():
+                users.setdefault(id(p), (p, set()))[1].add(stage)
+    ties = []
+    for key, (p, stages) in users.items():
+        if len(stages) > 1:
+            held = tuple(sorted(stages))
+            ties.append(Tie(names[key], p, held, tuple(sorted({stage_to_rank[s] for s in held}))))
+    order = list(names)
+    return sorted(ties, key=lambda t: order.index(id(t.param)))
+
+
+def check_local(ties: Sequence[Tie]) -> None:
+    """Local mode: every tie must stay on one rank.
+
+    Raises:
+        ValueError: naming the parameter, its stages and their ranks.
+    """
+    for tie in ties:
+        if len(tie.ranks) > 1:
+            raise ValueError(
+                f"parameter {tie.name!r} is used by stages {_listed(tie.stages)}, on ranks "
+                f"{_listed(tie.ranks)}: in local mode "
+                "the stages that share a parameter must run on one rank (choose balance= so they "
+                "fall into one stage, or a V schedule such as 'zbv', which puts the first and last "
+                "stage on rank 0); distributed mode sums a shared parameter's gradient across ranks")
+
+
+def _listed(values: Sequence[int]) -> str:
+    *head, last = map(str, values)
+    return f"{', '.join(head)} and {last}" if head else last
+
+
+class TiedGrads:
+    """Sums the gradients of parameters tied across ranks over the pipeline group.
+
+    ``begin()`` before a step sets each tied ``.grad`` this rank uses aside,
+    so that the step accumulates only its own share into a fresh one;
+    ``reduce()`` after it sums the shares of every rank and adds the sum to
+    what was set aside (``.grad`` accumulates over steps as with
+    ``backward``). A parameter no rank produced a gradient for keeps
+    ``.grad`` as it was, None included, as the unsplit backward would.
+
+    Every rank of the group calls both, in the same order; ranks that do not
+    use a tie contribute zeros (they may hold it on the meta device, with
+    ``free_remote``).
+
+    Args:
+        ties: The ties across ranks (``len(tie.ranks) > 1``), the same list on every rank.
+        rank: This process's pipeline rank.
+        device: Where this rank's reduction buffers live (its device: NCCL needs a GPU).
+        group: The pipeline's process group.
+    """
+
+    def __init__(self, ties: Sequence[Tie], rank: int, device: torch.device,
+                 group: dist.ProcessGroup | None) -> None:
+        self.ties = [t for t in ties if t.param.requires_grad]
+        self.rank = rank
+        self.device = device
+        self.group = group
+        self._aside: dict[int, torch.Tensor | None] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.ties)
+
+    def _mine(self, tie: Tie) -> bool:
+        return self.rank in tie.ranks
+
+    def begin(self) -> None:
+        self._aside = {}
+        for i, tie in enumerate(self.ties):
+            if self._mine(tie):
+                self._aside[i] = tie.param.grad
+                tie.param.grad = None
+
+    def restore(self) -> None:
+        """After a failed step: ``.grad`` as it was before it (the share is dropped)."""
+        for i, grad in self._aside.items():
+            self.ties[i].param.grad = grad
+        self._aside = {}
+
+    def reduce(self) -> None:
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, tie in enumerate(self.ties):
+            by_dtype.setdefault(tie.param.dtype, []).append(i)
+        for dtype, indices in by_dtype.items():
+            # One buffer per dtype: each tie's share, then one flag per tie
+            # (1 where this rank produced a gradient), summed over ranks.
+            sizes = [self.ties[i].param.numel() for i in indices]
+            flat = torch.zeros(sum(sizes) + len(indices), dtype=dtype, device=self.device)
+            offset = 0
+            for k, (i, size) in enumerate(zip(indices, sizes)):
+                grad = self.ties[i].param.grad if self._mine(self.ties[i]) else None
+                if grad is not None:
+                    flat[offset : offset + size].copy_(grad.reshape(-1))
+                    flat[sum(sizes) + k] = 1
+                offset += size
+            dist.all_reduce(flat, group=self.group)
+            flags = flat[sum(sizes):].tolist()
+            offset = 0
+            for k, (i, size) in enumerate(zip(indices, sizes)):
+                tie = self.ties[i]
+                if self._mine(tie):
+                    self._settle(i, tie, flat[offset : offset + size], flags[k] > 0)
+                offset += size
+        self._aside = {}
+
+    def _settle(self, i: int, tie: Tie, total: torch.Tensor, produced: bool) -> None:
+        p, aside = tie.param, self._aside.get(i)
+        if not produced:
+            p.grad = aside
+            return
+        total = total.view_as(p)
+        if aside is not None:
+            p.grad = aside.add_(total.to(aside.device))
+        elif p.grad is not None:
+            p.grad.copy_(total)
+        else:
+            p.grad = total.to(p.device).clone()
