@@ -16,13 +16,18 @@ the same, whichever ranks the uses run on:
   gradient and, stepping its optimizer like the others, keeps its copy in
   step with theirs (what Megatron does for tied embeddings);
 - uses on several ranks in local mode (threads of one process, possibly on
-  different devices) are refused: the ranks would accumulate into one
-  tensor from different threads.
+  different devices): the first rank runs the parameter itself; every other
+  rank gets a replica on its own device, copied from the parameter and
+  swapped into that rank's modules for the call (``LocalTies``), so no two
+  threads add into one ``.grad``; after a step the replicas' gradients are
+  added to the parameter's. A module that stages of two ranks both run
+  cannot hold both, and is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -65,20 +70,36 @@ def find_ties(model: nn.Sequential, ranges: Sequence[range], stage_to_rank: Sequ
     return sorted(ties, key=lambda t: order.index(id(t.param)))
 
 
-def check_local(ties: Sequence[Tie]) -> None:
-    """Local mode: every tie must stay on one rank.
+def check_local(ties: Sequence[Tie], model: nn.Sequential, ranges: Sequence[range],
+                stage_to_rank: Sequence[int]) -> None:
+    """Local mode: a tie across ranks must be between different modules.
+
+    Each rank but the first runs the tie on a replica swapped into its own
+    modules' tables (``LocalTies``); a module that stages of two ranks both
+    run (one module placed twice) cannot hold the original and a replica at
+    once.
 
     Raises:
-        ValueError: naming the parameter, its stages and their ranks.
+        ValueError: naming the parameter, the module and the ranks.
     """
+    layers = list(model)
     for tie in ties:
-        if len(tie.ranks) > 1:
-            raise ValueError(
-                f"parameter {tie.name!r} is used by stages {_listed(tie.stages)}, on ranks "
-                f"{_listed(tie.ranks)}: in local mode "
-                "the stages that share a parameter must run on one rank (choose balance= so they "
-                "fall into one stage, or a V schedule such as 'zbv', which puts the first and last "
-                "stage on rank 0); distributed mode sums a shared parameter's gradient across ranks")
+        if len(tie.ranks) < 2:
+            continue
+        owners: dict[int, tuple[nn.Module, set[int]]] = {}
+        for stage in tie.stages:
+            for i in ranges[stage]:
+                for m in layers[i].modules():
+                    if any(q is tie.param for q in m._parameters.values()):
+                        owners.setdefault(id(m), (m, set()))[1].add(stage_to_rank[stage])
+        for m, ranks in owners.values():
+            if len(ranks) > 1:
+                raise ValueError(
+                    f"parameter {tie.name!r} belongs to one {type(m).__name__} module that stages "
+                    f"on ranks {_listed(sorted(ranks))} both run: in local mode a parameter shared "
+                    "across ranks must be shared between different modules (as in "
+                    "head.weight = embedding.weight), each run by one rank; choose balance= so "
+                    "the module's uses fall on one rank, or use distributed mode")
 
 
 def _listed(values: Sequence[int]) -> str:
@@ -172,3 +193,73 @@ class TiedGrads:
             p.grad.copy_(total)
         else:
             p.grad = total.to(p.device).clone()
+
+
+class LocalTies:
+    """Local mode: the replicas of parameters tied across ranks.
+
+    The parameter stays with the first rank that uses it (moved back to its
+    device if building a later rank's stage moved it). ``swapped()`` wraps
+    one call: it copies each parameter into its replicas, puts them into the
+    other ranks' modules, and puts the parameters back when the call ends,
+    so between calls the model is the user's as built. ``gather()`` (after a
+    step that succeeded) adds the replicas' gradients into the parameters'.
+    Tensor hooks on a tied parameter see its first rank's gradient only.
+
+    Args:
+        ties: The ties across ranks.
+        stages: ``{rank: {stage index: Stage}}``, as the pipe built them.
+        devices: Each rank's device.
+    """
+
+    def __init__(self, ties: Sequence[Tie], stages: dict, devices: Sequence[torch.device]) -> None:
+        self._stages = [st for held in stages.values() for st in held.values()]
+        # (parameter, replica, [(module, name) whose entry the replica takes])
+        self._swaps: list[tuple[nn.Parameter, nn.Parameter, list[tuple[nn.Module, str]]]] = []
+        for tie in ties:
+            p, home = tie.param, devices[tie.ranks[0]]
+            if p.device != home:
+                with torch.no_grad():
+                    p.data = p.data.to(home)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(home)
+            for rank in tie.ranks[1:]:
+                slots = {(id(m), name): (m, name) for st in stages[rank].values()
+                         for m in st.module.modules() for name, q in m._parameters.items() if q is p}
+                replica = nn.Parameter(torch.empty_like(p, device=devices[rank]))
+                self._swaps.append((p, replica, list(slots.values())))
+
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
+        with torch.no_grad():
+            for p, replica, slots in self._swaps:
+                replica.copy_(p)
+                replica.requires_grad_(p.requires_grad)
+                for m, name in slots:
+                    m._parameters[name] = replica
+        self._refresh()
+        try:
+            yield
+        finally:
+            for p, replica, slots in self._swaps:
+                replica.grad = None  # gathered by now, or a failed step's
+                for m, name in slots:
+                    m._parameters[name] = p
+            self._refresh()
+
+    def gather(self) -> None:
+        """Adds each replica's gradient into its parameter's ``.grad``."""
+        with torch.no_grad():
+            for p, replica, _ in self._swaps:
+                grad, replica.grad = replica.grad, None
+                if grad is None:
+                    continue
+                grad = grad.to(p.device)  # the replica's own gradient: nothing else holds it
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+
+    def _refresh(self) -> None:
+        for st in self._stages:
+            st.refresh()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpipe import _microbatch as mbatch
-from fastpipe._ties import TiedGrads, check_local, find_ties
+from fastpipe._ties import LocalTies, TiedGrads, check_local, find_ties
 from fastpipe.balance import balance_by_params
 from fastpipe.runtime.checkpoint import check_mode, stochastic
 from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
@@ -165,8 +165,10 @@ class Pipe(nn.Module):
     sums each rank's share over the group after every ``step`` (one
     ``all_reduce`` per dtype), so each rank that uses it holds the whole
     gradient and, stepping its optimizer like the others, keeps its copy
-    equal to theirs. Local mode refuses a tie across ranks (ValueError):
-    its ranks are threads that would add into one tensor at once.
+    equal to theirs. In local mode the other ranks run it on a replica on
+    their own device, copied in for each call and its gradient added to the
+    parameter's after each ``step`` (the ranks are threads: none adds into
+    another's ``.grad``); one module run by stages of two ranks is refused.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -252,6 +254,7 @@ class Pipe(nn.Module):
         resolved = _resolve_balance(None if auto else balance, model, self.schedule.stages)
         self._ties: list = []  # parameters used by several stages (fastpipe._ties)
         self._tied = None  # distributed: TiedGrads, when some tie spans ranks
+        self._local_ties = None  # local mode: LocalTies, when some tie spans ranks
         if not auto:
             self._find_ties(model, resolved)
         if recompute == "selective":  # changes the user's model in place: after every check
@@ -424,7 +427,7 @@ class Pipe(nn.Module):
         step in distributed mode."""
         self._ties = find_ties(model, _ranges(balance), self.schedule.stage_to_rank)
         if not self.distributed:
-            check_local(self._ties)
+            check_local(self._ties, model, _ranges(balance), self.schedule.stage_to_rank)
             return
         across = [t for t in self._ties if len(t.ranks) > 1]
         tied = TiedGrads(across, self.rank, self.devices[self.rank], self.group)
@@ -453,6 +456,9 @@ class Pipe(nn.Module):
                 held[s] = Stage(s, part, device)
             stages[rank] = held
         self._layers = tuple(layers)  # what the stages hold: see _check_layers
+        across = [t for t in self._ties if len(t.ranks) > 1]
+        if not self.distributed and across and self._problem is None:
+            self._local_ties = LocalTies(across, stages, self.devices)
         return stages
 
     def _check_layers(self) -> None:
@@ -729,6 +735,17 @@ class Pipe(nn.Module):
         return self._run_local(schedule, inputs, targets, loss_fn, train)
 
     def _run_local(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
+        ties = self._local_ties
+        if ties is None:
+            return self._run_ranks(schedule, inputs, targets, loss_fn, train)
+        with ties.swapped():  # replicas of parameters tied across ranks, for this call
+            results = self._run_ranks(schedule, inputs, targets, loss_fn, train)
+            if train:
+                ties.gather()
+            return results
+
+    def _run_ranks(self, schedule, inputs, targets, loss_fn, train) -> dict[int, Any]:
+        """Local mode: one thread per rank on the native ring's lanes."""
         self._ring_for()
         mailbox = Mailbox(schedule.ranks)
         # Ranks are threads sharing the CPU generator: stochastic stages take

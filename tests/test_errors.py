@@ -69,7 +69,7 @@ CONSTRUCTION = [
     ("recompute", {"recompute": "all"}, ValueError, "recompute must be 'none' or 'selective', got 'all'"),
     ("wire-dtype", {"wire_dtype": torch.int8}, ValueError, "wire_dtype must be None or one of"),
     ("tied-weights", {"model": _tied(), "balance": [2, 2]}, ValueError, 
-     r"parameter '0.weight' is used by stages 0 and 1, on ranks 0 and 1: in local mode"),
+     r"parameter '0.weight' belongs to one Linear module that stages on ranks 0 and 1 both run"),
     ("plan-type", {"plan": "fast"}, TypeError, "plan must be a fastpipe.Plan"),
 ]
 

@@ -106,9 +106,41 @@ def test_tied_embedding_on_one_rank():
     _check(tied_embedding_model, x, y, F.mse_loss, "zbv", 2, 3, balance=[1, 2, 1, 2])
 
 
-def test_parameter_shared_across_local_ranks_is_refused():
-    with pytest.raises(ValueError, match=r"parameter '1.weight' is used by stages 0 and 1, on ranks "
-                                         r"0 and 1: in local mode"):
+@pytest.mark.parametrize("schedule,balance,fused", [
+    ("gpipe", [2, 4], False), ("1f1b", [2, 4], False), ("1f1b", [2, 4], True),
+    ("zb-h1", [2, 4], False), ("zb-h2", [1, 5], True),
+    ("interleaved-1f1b", [1, 1, 2, 2], False),  # stage 0 on rank 0, stage 3 (the head) on rank 1
+])
+def test_embedding_tied_across_local_ranks(schedule, balance, fused):
+    """Rank 1 runs the head on a replica of the embedding weight; its
+    gradient is added to the parameter's, and the model is left as built."""
+    torch.manual_seed(8)
+    x, y = torch.randint(0, 11, (8, 3)), torch.randn(8, 3, 3, dtype=torch.float64)
+    ref_model = tied_embedding_model()
+    model = tied_embedding_model()
+    tied = model[0].weight
+    pipe = Pipe(model, chunks=4, schedule=schedule, balance=balance, devices=["cpu"] * 2,
+                stages_per_rank=SPR.get(schedule), fused_wgrad=fused)
+    try:
+        for _ in range(2):  # the second step accumulates onto the first's .grad
+            ref_loss, ref_grads = reference(ref_model, x, y, F.mse_loss, 4)  # accumulates too
+            loss = pipe.step(x, y, F.mse_loss)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+            assert model[0].weight is tied and model[4].weight is tied
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+            with torch.no_grad():  # an optimizer step: the next call's replica follows it
+                tied.add_(0.01)
+                ref_model[0].weight.add_(0.01)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), ref_model(x), rtol=1e-10, atol=1e-12)
+    finally:
+        pipe.close()
+
+
+def test_module_run_by_two_local_ranks_is_refused():
+    with pytest.raises(ValueError, match=r"parameter '1.weight' belongs to one Linear module that "
+                                         r"stages on ranks 0 and 1 both run: in local mode"):
         Pipe(tied_mlp(), chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
 
 

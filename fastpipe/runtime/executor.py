@@ -73,9 +73,14 @@ class Stage:
     chain: Chain | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.refresh()
         self.stochastic = stochastic(self.module)
         self.chain = Chain.of(self.module) if chains_enabled() else None
+
+    def refresh(self) -> None:
+        """Re-reads the parameters, after a module's entries changed (local
+        mode swaps replicas of parameters tied across ranks in for a call)."""
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
 
 
 @dataclass
