@@ -627,6 +627,48 @@ class Pipe(nn.Module):
             records = [r for part in gathered for r in part]
         return loss, measured(self._lowered, records)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the whole pipeline.
+
+        In distributed mode each rank holds only its stages' gradients, so
+        torch's function called there would clip each rank by its own norm.
+        This one combines every rank's part over the group (a parameter tied
+        across ranks counts once) and scales each rank's gradients by the one
+        total, as torch would for the unsplit model; call it on every rank,
+        after ``step``. In local mode it is torch's function over the
+        model's parameters, whatever devices they are on.
+
+        Returns:
+            The total norm of the gradients before clipping (on every rank).
+
+        Raises:
+            RuntimeError: the norm is non-finite and ``error_if_nonfinite``
+                (on every rank, before any gradient changes).
+        """
+        from fastpipe._grad_norm import clip_grad_norm
+
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+            raise TypeError(f"norm_type must be a number, got {type(norm_type).__name__}")
+        self._check_not_broken()
+        if self._stages is None:
+            raise RuntimeError("clip_grad_norm_ needs the stages: with balance='auto' call step first")
+        held = {id(p): p for st in self._stages.get(self.rank, {}).values()
+                for p in st.module.parameters()} if self.distributed else \
+            {id(p): p for p in self.module.parameters()}
+        scaled = list(held.values())
+        if not self.distributed:
+            return clip_grad_norm(scaled, scaled, max_norm, norm_type, error_if_nonfinite, foreach,
+                                  None, None)
+        # A tied parameter is held by each rank that uses it: the first one counts it.
+        elsewhere = {id(t.param) for t in self._ties if t.ranks[0] != self.rank}
+        counted = [p for p in scaled if id(p) not in elsewhere]
+        self._finish_loss_broadcast()
+        return clip_grad_norm(counted, scaled, max_norm, norm_type, error_if_nonfinite, foreach,
+                              self.group, self.devices[self.rank])
+
     def forward(self, x: Any) -> Any:
         """Inference: ``model(x)`` computed microbatch by microbatch, without autograd.
 

@@ -66,6 +66,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 with torch.no_grad(), _amp(case):
                     outs.append(pipe(x))
                 input_grads.append(x.grad)
+            norm = pipe.clip_grad_norm_(case["clip"], case.get("norm_type", 2.0)) if case.get("clip") else None
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             meta = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta)
             refused = None
@@ -76,7 +77,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 except ValueError as exc:
                     refused = str(exc)
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
-                            "input_grads": input_grads,
+                            "input_grads": input_grads, "norm": norm,
                             "meta": meta, "refused": refused,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
                             "staged": pipe._shm[0].staged_total if pipe.shm else 0})

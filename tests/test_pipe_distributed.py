@@ -84,6 +84,13 @@ def _verify(cases: list[dict], results: list[list[dict]]) -> None:
         for x, y in case["batches"]:
             loss, ref_grads = models.reference(ref_model, x, y, nn.functional.mse_loss, case["chunks"])
             expected_losses.append(loss)
+        if case.get("clip"):  # torch's clipping of the unsplit model, and the norm it saw
+            norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), case["clip"],
+                                                  case.get("norm_type", 2.0))
+            ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+            for rank_results in results:
+                torch.testing.assert_close(rank_results[i]["norm"], norm)
+            assert norm > case["clip"]  # it clipped
         for rank_results in results:
             got = rank_results[i]
             # Made once, shared by every Pipe over the group (and not needed by shm).
@@ -198,7 +205,8 @@ def test_parameters_tied_across_stages(tmp_path):
     unsplit model's gradient on every rank that uses it, accumulated over
     two steps: over gloo and shared memory, with NCCL's message rules, on
     lanes, with fused weight gradients, and with free_remote (which keeps
-    what a local stage uses)."""
+    what a local stage uses). Pipe.clip_grad_norm_ clips as torch does the
+    unsplit model."""
     cases = [
         *[_case(s, balance=[4, 4], **TIED) for s in ("gpipe", "1f1b", "zb-h1", "zb-h2")],
         _case("interleaved-1f1b", balance=[2, 1, 3, 2], **TIED),  # stages 0 (rank 0) and 3 (rank 1)
@@ -209,10 +217,16 @@ def test_parameters_tied_across_stages(tmp_path):
         _case("1f1b", chunks=3, balance=[2, 4], **TIED_EMBEDDING),
         _case("zb-h2", balance=[2, 4], **TIED_EMBEDDING, **SHM),
         _case("dualpipev", balance=[1, 2, 1, 2], **TIED_EMBEDDING),
+        # Clipping by the whole pipeline's norm (the tied weight counted once).
+        _case("1f1b", balance=[2, 4], clip=0.05, **TIED_EMBEDDING),
+        _case("zbv", clip=0.05, norm_type=float("inf"), steps=2),
+        _case("zb-h1", clip=0.05, norm_type=1.0, free_remote=True, steps=2),
     ]
     results = _spawn(2, cases, tmp_path)
     _verify(cases, results)
     for i, case in enumerate(cases):
+        if not case.get("tied"):
+            continue
         held = [set(r[i]["grads"]) for r in results]
         tied = "1.weight" if case["model"] == "tied_mlp" else "0.weight"
         across = case["schedule"] not in ("zbv", "dualpipev")

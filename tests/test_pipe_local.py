@@ -138,6 +138,42 @@ def test_embedding_tied_across_local_ranks(schedule, balance, fused):
         pipe.close()
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("model_fn,schedule,balance", [
+    (mlp, "zbv", None), (tied_embedding_model, "1f1b", [2, 4])])
+def test_clip_grad_norm_matches_torch(model_fn, schedule, balance, norm_type):
+    torch.manual_seed(9)
+    if model_fn is mlp:
+        x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    else:
+        x, y = torch.randint(0, 11, (8, 3)), torch.randn(8, 3, 3, dtype=torch.float64)
+    ref_model, model = model_fn(), model_fn()
+    reference(ref_model, x, y, F.mse_loss, 4)
+    expected = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05, norm_type)
+    assert expected > 0.05
+    pipe = Pipe(model, chunks=4, schedule=schedule, balance=balance, devices=["cpu"] * 2,
+                stages_per_rank=SPR.get(schedule))
+    try:
+        pipe.step(x, y, F.mse_loss)
+        torch.testing.assert_close(pipe.clip_grad_norm_(0.05, norm_type), expected)
+    finally:
+        pipe.close()
+    for (name, p), ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, ref.grad, msg=name)
+
+
+def test_clip_grad_norm_rejects_bad_arguments():
+    pipe = Pipe(mlp(), chunks=2, devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="max_norm must be a number, got str"):
+        pipe.clip_grad_norm_("1")
+    with pytest.raises(TypeError, match="norm_type must be a number, got NoneType"):
+        pipe.clip_grad_norm_(1.0, None)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    pipe.step(x, torch.full((4, 3), float("nan"), dtype=torch.float64), F.mse_loss)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
 def test_module_run_by_two_local_ranks_is_refused():
     with pytest.raises(ValueError, match=r"parameter '1.weight' belongs to one Linear module that "
                                          r"stages on ranks 0 and 1 both run: in local mode"):
