@@ -423,8 +423,9 @@ class Pipe(nn.Module):
 
     def _find_ties(self, model: nn.Sequential, balance: list[int]) -> None:
         """Parameters that layers of several stages use (``fastpipe._ties``):
-        refused across ranks in local mode, summed across ranks after each
-        step in distributed mode."""
+        in local mode checked here (one module run by two ranks is refused)
+        and given replicas with the stages; in distributed mode summed
+        across ranks after each step."""
         self._ties = find_ties(model, _ranges(balance), self.schedule.stage_to_rank)
         if not self.distributed:
             check_local(self._ties, model, _ranges(balance), self.schedule.stage_to_rank)
@@ -588,20 +589,22 @@ class Pipe(nn.Module):
         if tied is not None:
             tied.begin()  # .grad of parameters tied across ranks: this step's share only
         try:
-            results = self._run(self._lowered, inputs, targets, loss_fn, train=True, refuse=refused)
-            grads = self._input_grads
+            try:
+                results = self._run(self._lowered, inputs, targets, loss_fn, train=True,
+                                    refuse=refused)
+                grads = self._input_grads
+            finally:
+                self._input_grads = {}  # a failed step's are dropped
+            loss = self._mean_loss(results)  # first: peers wait for it in distributed mode
+            if grads:
+                _backward_into_inputs(x, grads, self.chunks)
+            if tied is not None:
+                self._finish_loss_broadcast()
+                tied.reduce()
         except BaseException:
             if tied is not None:
-                tied.restore()
+                tied.restore()  # .grad as before the step, the step's share dropped
             raise
-        finally:
-            self._input_grads = {}  # a failed step's are dropped
-        loss = self._mean_loss(results)  # first: peers wait for it in distributed mode
-        if grads:
-            _backward_into_inputs(x, grads, self.chunks)
-        if tied is not None:
-            self._finish_loss_broadcast()
-            tied.reduce()
         return loss
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
