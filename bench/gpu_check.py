@@ -16,14 +16,21 @@ Sections:
              and against torch._foreach_copy_ into views.
   local      a 2-rank local pipeline with both ranks on cuda:0 against the
              same stages run sequentially (gradients equal for gpipe, 1f1b,
-             zb-h1, zbv; step-time ratio; per-action host overhead;
+             zb-h1, zbv; step-time ratio; step time and host CPU time per
+             action, the latter also net of the sequential loop's;
              caching-allocator segments and receive slots created in steady
              state; ring off / ring on, i.e. copies on the compute stream
              against the copy lanes; the share of the GPU's copy time that
              overlapped a kernel, from the profiler's device timeline).
+  grads      every schedule, 2 ranks on cuda:0, in fp64: the step's loss,
+             parameter and input gradients against the unsplit model's, plain
+             and with checkpoint="always".
   recompute  selective recompute on CUDA: saved bytes and time ratio.
 
-    python -m bench.gpu_check [--out FILE] [--sections ring,kernels,...]
+    python -m bench.gpu_check [--out FILE] [--sections ring,kernels,...] [--deadline S]
+
+``--deadline S`` ends the process after S seconds with every thread's stack
+printed (faulthandler), so a hang shows where it hangs.
 
 ``--device cpu`` runs every section but ``ring`` on the CPU at small sizes
 (Triton in its interpreter): a rehearsal that the script itself works, not
@@ -33,6 +40,7 @@ a measurement (the test suite runs it).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -47,6 +55,14 @@ from bench._runner import median_time
 RESULTS: dict = {}
 DEV = "cuda"  # set by main(); "cpu" for a rehearsal
 SMALL = False  # rehearsal sizes
+OUT_PATH: str | None = None  # --out: rewritten after every figure and check
+
+
+def _save() -> None:
+    """Write what is known so far, so a section cut off by its deadline keeps its figures."""
+    if OUT_PATH:
+        with open(OUT_PATH, "w") as f:
+            json.dump(RESULTS, f, indent=1)
 
 
 def _sync() -> None:
@@ -72,6 +88,19 @@ def _cuda_time(fn, warmup: int = 3, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def _cpu_time(fn, repeats: int = 5) -> float:
+    """Median process CPU seconds (every thread's) of ``fn``, the device drained around each call."""
+    fn()
+    _sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        _sync()
+        times.append(time.process_time() - t0)
+    return statistics.median(times)
+
+
 def _wall_time(fn, warmup: int = 3, repeats: int = 10) -> float:
     """Median wall seconds of ``fn`` with the device drained before and after."""
     return median_time(fn, warmup, repeats, _sync)
@@ -80,11 +109,13 @@ def _wall_time(fn, warmup: int = 3, repeats: int = 10) -> float:
 def check(name: str, ok: bool, detail: str = "") -> None:
     RESULTS.setdefault("checks", {})[name] = bool(ok)
     print(f"  [{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+    _save()
 
 
 def figure(name: str, value: float, unit: str = "", note: str = "") -> None:
     RESULTS.setdefault("figures", {})[name] = value
     print(f"  {name}: {value:.4g}{unit}{'  (' + note + ')' if note else ''}")
+    _save()
 
 
 # --- ring -------------------------------------------------------------------------
@@ -305,6 +336,7 @@ def section_local() -> None:
                 (loss_fn(seq(a), b) / chunks).backward()
 
         t_seq = _wall_time(sequential)
+        cpu_seq = _cpu_time(sequential)
         for schedule in ("gpipe", "1f1b", "zb-h1", "zbv"):
             model = _mlp(width, blocks).to(DEV)
             spr = 2 if schedule == "zbv" else None
@@ -350,17 +382,59 @@ def section_local() -> None:
                 check(f"{label} {schedule}: receive slots flat in steady state", slots_after == slots_before,
                       f"{sum(n for n, _ in slots_after.values())} slots")
             actions = sum(len(a) for a in pipe._lowered.actions)
+            cpu_pipe = _cpu_time(lambda: pipe.step(x, y, loss_fn))
             _, sim = pipe.step_with_timeline(x, y, loss_fn)
             share = _hidden_share(sim)
             figure(f"{label} {schedule}: pipeline / sequential step time", t_pipe / t_seq, "",
                    "one GPU: target <= 1.05" if label == "compute-bound" else "one GPU")
             figure(f"{label} {schedule}: step time per action", t_pipe / actions * 1e6, " us",
                    f"{actions} actions per step; host overhead when the GPU work is small")
+            figure(f"{label} {schedule}: host CPU per action", cpu_pipe / actions * 1e6, " us",
+                   "every thread's CPU time of a step / actions")
+            figure(f"{label} {schedule}: host CPU per action over the sequential loop's",
+                   (cpu_pipe - cpu_seq) / actions * 1e6, " us", "fastpipe's own host work per action")
             check(f"{label} {schedule}: no new allocator segments in steady state", grown == 0,
                   f"{grown} segments over 5 steps")
             if share is not None:
                 figure(f"{label} {schedule}: transfer time hidden behind compute", share, "")
             pipe.close()
+
+
+# --- grads ------------------------------------------------------------------------
+
+
+def section_grads() -> None:
+    from fastpipe import Pipe
+    from fastpipe.schedules import names
+
+    def model(seed: int = 0) -> nn.Sequential:
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = [nn.Linear(5, 16)]
+        for i in range(6):
+            layers.append(nn.Tanh() if i % 2 else nn.Linear(16, 16))
+        layers.append(nn.Linear(16, 3))
+        return nn.Sequential(*layers).to(DEV, torch.float64)
+
+    devices = [DEV, DEV] if DEV == "cpu" else ["cuda:0", "cuda:0"]
+    loss_fn = nn.functional.mse_loss
+    chunks = 4
+    torch.manual_seed(1)
+    x0 = torch.randn(16, 5, device=DEV, dtype=torch.float64)
+    y = torch.randn(16, 3, device=DEV, dtype=torch.float64)
+    ref, x_ref = model(), x0.clone().requires_grad_()
+    want_loss = sum(loss_fn(ref(a), b) for a, b in zip(x_ref.tensor_split(chunks), y.tensor_split(chunks))) / chunks
+    want_loss.backward()
+    for name in names():
+        for checkpoint in ("never", "always"):
+            m, x = model(), x0.clone().requires_grad_()
+            pipe = Pipe(m, chunks=chunks, schedule=name, devices=devices, checkpoint=checkpoint)
+            loss = pipe.step(x, y, loss_fn)
+            pipe.close()
+            _sync()
+            diff = max([abs(float(loss) - float(want_loss)), (x.grad - x_ref.grad).abs().max().item()]
+                       + [(p.grad - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters())])
+            check(f"{name} checkpoint={checkpoint}: loss and gradients equal the unsplit model's",
+                  diff < 1e-10, f"max abs diff {diff:.1e}")
 
 
 # --- recompute --------------------------------------------------------------------
@@ -385,8 +459,8 @@ def section_recompute() -> None:
         figure(f"recompute {name}: fwd+bwd time", t_ours / t_plain, "x plain")
 
 
-SECTIONS = {"ring": section_ring, "kernels": section_kernels, "pack": section_pack,
-            "local": section_local, "recompute": section_recompute}
+SECTIONS = {"ring": section_ring, "local": section_local, "grads": section_grads, "pack": section_pack,
+            "kernels": section_kernels, "recompute": section_recompute}
 
 
 def main(argv=None) -> int:
@@ -395,9 +469,13 @@ def main(argv=None) -> int:
     parser.add_argument("--sections", default=None, help="comma-separated; default: all")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: a small rehearsal of the script (no ring section)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which every thread's stack is printed and the process ends")
     args = parser.parse_args(argv)
-    global DEV, SMALL
-    DEV, SMALL = args.device, args.device == "cpu"
+    if args.deadline is not None:
+        faulthandler.dump_traceback_later(args.deadline, exit=True)
+    global DEV, SMALL, OUT_PATH
+    DEV, SMALL, OUT_PATH = args.device, args.device == "cpu", args.out
     names = args.sections.split(",") if args.sections else [n for n in SECTIONS if DEV == "cuda" or n != "ring"]
     if unknown := [n for n in names if n not in SECTIONS]:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
@@ -420,9 +498,7 @@ def main(argv=None) -> int:
     RESULTS["sections_failed"] = failed
     bad = [k for k, ok in RESULTS.get("checks", {}).items() if not ok]
     print(f"\nsections failed: {failed or 'none'}; checks failed: {bad or 'none'}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    _save()
     return 1 if failed or bad else 0
 
 

@@ -1,44 +1,66 @@
 #!/usr/bin/env bash
-# The device check, on a machine with one CUDA GPU (meant to finish in under
-# 6 minutes on an H200): build fastpipe's extension there (with its CUDA
+# The device check, on a machine with one CUDA GPU (meant to finish in about
+# 4 minutes on an H200): build fastpipe's extension there (with its CUDA
 # backend), run the native ring's tests, then every CUDA figure and check in
-# bench/gpu_check.py (ring, Triton kernels, packing bandwidth, a 2-rank local
-# pipeline on cuda:0, selective recompute).
+# bench/gpu_check.py (ring, a 2-rank local pipeline on cuda:0, gradients of
+# every schedule on the GPU, packing, Triton kernels, selective recompute).
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
+#   SECTIONS="ring local" bash bench/gpu_check.sh
 #
-# Figures and checks also go to $OUT/gpu_check.json when OUT is set. The exit
-# status is non-zero when the build, the ring tests or any check failed.
+# Each section runs in a process of its own under a time limit, so a section
+# that hangs or crashes costs only itself: on its deadline it prints every
+# thread's stack and ends, and the next section starts. With OUT set, the
+# build log, the whole output and each section's figures (JSON) go there.
+# The exit status is non-zero when the build, the ring tests or any check
+# failed.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+SECTIONS=${SECTIONS:-"ring local grads pack kernels recompute"}
+LOG=${OUT:-/tmp}/gpu_check_build.log
 status=0
+t_start=$(date +%s)
 
 echo "== build"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null
+"$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 # In place: no packaging metadata, no dependency resolution (nothing can be fetched).
 # The CUDA backend is required; if its headers are not found, build without it
 # so the other sections still run (the ring section then fails, as it should).
 # fastpipe._chain (CPU chains) is not part of this check: skip its build.
-export FASTPIPE_NATIVE_CHAIN=0 FASTPIPE_BUILD_JOBS=${FASTPIPE_BUILD_JOBS:-8}
-if ! FASTPIPE_CUDA=1 "$PY" setup.py -q build_ext --inplace >/tmp/fastpipe_build.log 2>&1; then
-    tail -5 /tmp/fastpipe_build.log
+export FASTPIPE_NATIVE_CHAIN=0 FASTPIPE_BUILD_JOBS=${FASTPIPE_BUILD_JOBS:-12}
+if [ -z "${CUDA_HOME:-}" ] && [ ! -f /usr/local/cuda/include/cuda_runtime_api.h ]; then
+    # No toolkit at the usual place: the headers of a pip-installed CUDA runtime do.
+    header=$("$PY" -c "import site; print(' '.join(site.getsitepackages()))" \
+             | xargs -n1 -I{} find {}/nvidia -name cuda_runtime_api.h 2>/dev/null | head -1)
+    [ -n "$header" ] && export CUDA_HOME=$(dirname "$(dirname "$header")") && echo "CUDA_HOME=$CUDA_HOME"
+fi
+if ! FASTPIPE_CUDA=1 "$PY" setup.py -q build_ext --inplace >"$LOG" 2>&1; then
+    tail -5 "$LOG"
     echo "build with the CUDA backend failed; building without it"
     status=1
-    if ! FASTPIPE_CUDA=0 "$PY" setup.py -q build_ext --inplace >/tmp/fastpipe_build.log 2>&1; then
-        tail -30 /tmp/fastpipe_build.log
+    if ! FASTPIPE_CUDA=0 "$PY" setup.py -q build_ext --inplace >"$LOG" 2>&1; then
+        tail -30 "$LOG"
         echo "build failed"
         exit 1
     fi
 fi
 "$PY" -c "import torch, fastpipe._C as C; print('has_cuda', C.has_cuda, '|', C.cuda_status())"
+echo "  (build done at $(( $(date +%s) - t_start )) s)"
 
 echo "== ring tests (host lanes, buffer ring, CUDA streams and events)"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_host_ring.py tests/test_buffer_ring.py \
+timeout -k 5 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_host_ring.py tests/test_buffer_ring.py \
     || status=1
+echo "  (ring tests done at $(( $(date +%s) - t_start )) s)"
 
-echo "== gpu_check"
-timeout 300 "$PY" -m bench.gpu_check ${OUT:+--out "$OUT/gpu_check.json"} || status=1
+# Seconds each section may take before it dumps its stacks and ends.
+declare -A LIMIT=([ring]=30 [local]=120 [grads]=45 [pack]=30 [kernels]=60 [recompute]=30)
+for section in $SECTIONS; do
+    limit=${LIMIT[$section]:-60}
+    timeout -k 5 $((limit + 10)) "$PY" -m bench.gpu_check --sections "$section" --deadline "$limit" \
+        ${OUT:+--out "$OUT/gpu_check_$section.json"} || status=1
+    echo "  ($section done at $(( $(date +%s) - t_start )) s)"
+done
 exit $status

@@ -152,9 +152,12 @@ def test_close_drains_queued_work():
 
 def test_close_with_cancel_fails_queued_tasks():
     r = HostRing(1)
-    gate = threading.Event()
-    running = r.submit(0, gate.wait)
+    gate, started = threading.Event(), threading.Event()
+    running = r.submit(0, lambda: (started.set(), gate.wait())[1])
     queued = r.submit(0, lambda: "never")
+    # Close only once the first task runs: a task still queued is cancelled
+    # too (the lane's thread may start late, as under AddressSanitizer).
+    assert started.wait(5)
     closer = threading.Thread(target=r.close, kwargs={"cancel_pending": True})
     closer.start()
     deadline = time.monotonic() + 5
