@@ -381,16 +381,16 @@ def section_local() -> None:
                 figure(f"{label} {schedule}: host overhead per action", (t_pipe - t_seq) / sum(per_rank) * 1e6,
                        " us", "(pipeline step - sequential loop) / actions")
             if brief:
-                # A lead for later work: the ranks' threads hand the GIL to each
-                # other; how much a shorter switch interval changes the step.
-                default = sys.getswitchinterval()
-                sys.setswitchinterval(2e-4)
+                # Local GPU steps lower the GIL's switch interval
+                # (runtime/threads.py): the step without that, for comparison.
+                pipe._switch_interval, chosen = None, pipe._switch_interval
                 try:
-                    t_short = _wall_time(lambda: pipe.step(x, y, loss_fn))
+                    t_default = _wall_time(lambda: pipe.step(x, y, loss_fn))
                 finally:
-                    sys.setswitchinterval(default)
-                figure(f"{label} {schedule}: step time with a 0.2 ms GIL switch interval / default",
-                       t_short / t_pipe, "", f"default {default * 1e3:g} ms")
+                    pipe._switch_interval = chosen
+                if chosen is not None:
+                    figure(f"{label} {schedule}: step time at the default GIL switch interval / at fastpipe's",
+                           t_default / t_pipe, "", f"{sys.getswitchinterval() * 1e3:g} ms against {chosen * 1e3:g} ms")
                 pipe.close()
                 continue
             if DEV == "cuda":
@@ -408,7 +408,7 @@ def section_local() -> None:
             rings = pipe._recv_rings
             slots_before = {k: (r.size, r.allocations) for k, r in rings.rings.items()} if rings else {}
             before, live = _segments(), []
-            for _ in range(5):
+            for _ in range(10):
                 pipe.step(x, y, loss_fn)
                 _sync()
                 live.append(_allocated())
@@ -417,12 +417,13 @@ def section_local() -> None:
                 slots_after = {k: (r.size, r.allocations) for k, r in rings.rings.items()}
                 check(f"{label} {schedule}: receive slots flat in steady state", slots_after == slots_before,
                       f"{sum(n for n, _ in slots_after.values())} slots")
-            # Live bytes must not creep up step after step (a leak); a new
-            # segment alone may be the allocator meeting a rarer interleaving
-            # of the two ranks' allocations.
-            check(f"{label} {schedule}: live GPU memory flat over 5 steps", len(set(live)) == 1,
-                  f"{live[0] / 2**20:.1f} MiB after the first, {live[-1] / 2**20:.1f} MiB after the last")
-            figure(f"{label} {schedule}: new allocator segments over 5 steps", grown)
+            # A leak grows live bytes step after step; the two ranks' threads
+            # interleave differently each step, so what is still referenced
+            # when the step returns may wobble without growing.
+            check(f"{label} {schedule}: live GPU memory does not grow over 10 steps",
+                  max(live[5:]) <= max(live[:5]),
+                  "MiB after each step: " + " ".join(f"{b / 2**20:.0f}" for b in live))
+            figure(f"{label} {schedule}: new allocator segments over 10 steps", grown)
             _, sim = pipe.step_with_timeline(x, y, loss_fn)
             share = _hidden_share(sim)
             if share is not None:

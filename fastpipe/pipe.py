@@ -23,7 +23,8 @@ from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
-from fastpipe.runtime.threads import autocast_state, with_caller_threads
+from fastpipe.runtime.threads import (LOCAL_GPU_SWITCH_INTERVAL, autocast_state, switch_interval,
+                                      with_caller_threads)
 from fastpipe.runtime.transport import (
     CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, connect_pairs,
     flow_groups, late_groups,
@@ -271,6 +272,9 @@ class Pipe(nn.Module):
         # (_copies=True forces the copy path on CPUs, with host lanes: tests.)
         self._copies = not self.distributed and all(d.type == "cuda" for d in self.devices)
         self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
+        # GIL switch interval during a local step whose ranks launch GPU work
+        # (runtime/threads.py says why); None leaves the interpreter's own.
+        self._switch_interval = LOCAL_GPU_SWITCH_INTERVAL if self._copies else None
         self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         # The last stage's rank: the loss broadcast of the last step, still
@@ -832,16 +836,17 @@ class Pipe(nn.Module):
                 if executor.records is not None:
                     self._recording.extend(executor.records)  # list.extend is atomic
 
-        events = [self._ring.submit(r, with_caller_threads(lambda r=r: run_rank(r)))
-                  for r in range(schedule.ranks)]
-        try:
-            outcomes = [_outcome(ev) for ev in events]
-        except KeyboardInterrupt as exc:
-            mailbox.fail(-1, exc)  # unblock the workers, then let them finish
-            for ev in events:
-                _outcome(ev)
-            self._drop_rings(lanes)
-            raise
+        with switch_interval(self._switch_interval if schedule.ranks > 1 else None):
+            events = [self._ring.submit(r, with_caller_threads(lambda r=r: run_rank(r)))
+                      for r in range(schedule.ranks)]
+            try:
+                outcomes = [_outcome(ev) for ev in events]
+            except KeyboardInterrupt as exc:
+                mailbox.fail(-1, exc)  # unblock the workers, then let them finish
+                for ev in events:
+                    _outcome(ev)
+                self._drop_rings(lanes)
+                raise
         for rank_lanes in lanes:
             rank_lanes.exit_to_caller()
         failed = [v for v in outcomes if isinstance(v, BaseException)]
