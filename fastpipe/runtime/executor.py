@@ -164,10 +164,15 @@ class RankExecutor:
         self.records: list[TimelineRecord] | None = None
         self.origin: float | None = None  # perf_counter() of the step's start
         self._wait_end: float | None = None
+        # Functions, not bound methods: a dict of this executor's bound
+        # methods would be a reference cycle, and everything the step left
+        # here (its inputs, targets, results: on a GPU, device memory) would
+        # live on after the step until the garbage collector ran.
         self._verbs = {
-            Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._backward_input,
-            Kind.W: self._backward_weight, Kind.SEND_F: self._send_f, Kind.RECV_F: self._recv,
-            Kind.SEND_B: self._send_b, Kind.RECV_B: self._recv,
+            Kind.F: RankExecutor._forward, Kind.B: RankExecutor._backward,
+            Kind.I: RankExecutor._backward_input, Kind.W: RankExecutor._backward_weight,
+            Kind.SEND_F: RankExecutor._send_f, Kind.RECV_F: RankExecutor._recv,
+            Kind.SEND_B: RankExecutor._send_b, Kind.RECV_B: RankExecutor._recv,
         }
         # After the action at index i, hand back the buffers of this (stage, mb).
         self._release_at = {i: key for key, i in last_use(self.actions).items()}
@@ -264,7 +269,7 @@ class RankExecutor:
         origin = None
         if self.records is None:
             for i, action in enumerate(self.actions):
-                verbs[action.kind](action)
+                verbs[action.kind](self, action)
                 if i in release_at:
                     self._release(release_at[i])
         else:
@@ -334,7 +339,7 @@ class RankExecutor:
         """Runs one action and records it; a wait for data becomes a comm record."""
         self._wait_end = None
         t0 = time.perf_counter()
-        self._verbs[a.kind](a)
+        self._verbs[a.kind](self, a)
         t1 = time.perf_counter()
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
             return  # a post; the wait is recorded with its consumer
