@@ -23,8 +23,7 @@ from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
-from fastpipe.runtime.threads import (LOCAL_GPU_SWITCH_INTERVAL, autocast_state, switch_interval,
-                                      with_caller_threads)
+from fastpipe.runtime.threads import autocast_state, switch_interval, with_caller_threads
 from fastpipe.runtime.transport import (
     CommLanes, CopyTransport, DistTransport, LocalTransport, Mailbox, ReceiveRings, connect_pairs,
     flow_groups, late_groups,
@@ -272,9 +271,9 @@ class Pipe(nn.Module):
         # (_copies=True forces the copy path on CPUs, with host lanes: tests.)
         self._copies = not self.distributed and all(d.type == "cuda" for d in self.devices)
         self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
-        # GIL switch interval during a local step whose ranks launch GPU work
-        # (runtime/threads.py says why); None leaves the interpreter's own.
-        self._switch_interval = LOCAL_GPU_SWITCH_INTERVAL if self._copies else None
+        # GIL switch interval during a local step with several ranks; None
+        # leaves the interpreter's own (runtime/threads.py: measured, no clear gain).
+        self._switch_interval: float | None = None
         self._recv_rings: ReceiveRings | None = None
         self._broken: BaseException | None = None  # distributed: the failure that ended a step
         # The last stage's rank: the loss broadcast of the last step, still

@@ -366,3 +366,37 @@ def test_a_step_leaves_no_reference_cycles(schedule, copies, monkeypatch):
             gc.enable()
     finally:
         pipe.close()
+
+
+def test_a_local_step_can_run_under_a_shorter_switch_interval(monkeypatch):
+    """Pipe._switch_interval (a measured lead, off by default) applies only
+    while the ranks run, and the interpreter's own value is back afterwards."""
+    import sys
+
+    from fastpipe.runtime import threads
+
+    seen = []
+    real = threads.switch_interval
+
+    def spy(seconds):
+        seen.append(seconds)
+        return real(seconds)
+
+    monkeypatch.setattr("fastpipe.pipe.switch_interval", spy)
+    default = sys.getswitchinterval()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = Pipe(mlp(depth=6), chunks=2, schedule="1f1b", devices=["cpu"] * 2)
+    try:
+        assert pipe._switch_interval is None
+        pipe.step(x, y, F.mse_loss)
+        pipe._switch_interval = threads.SHORT_SWITCH_INTERVAL
+        inside = []
+        pipe._stages[0][0].module.register_forward_hook(lambda *a: inside.append(sys.getswitchinterval()))
+        pipe.step(x, y, F.mse_loss)
+    finally:
+        pipe.close()
+    assert seen == [None, threads.SHORT_SWITCH_INTERVAL]
+    assert inside and all(abs(v - threads.SHORT_SWITCH_INTERVAL) < 1e-6 for v in inside)
+    assert sys.getswitchinterval() == default
+    with threads.switch_interval(default * 2):  # never raised
+        assert sys.getswitchinterval() == default

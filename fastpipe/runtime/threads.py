@@ -81,11 +81,15 @@ def autocast(regions: Autocast, cache: bool = True, enabled: bool = True) -> Ite
 
 # Local mode on GPUs: each rank's thread runs Python to launch its stage's
 # kernels, holding the GIL most of the time, and torch's launches do not give
-# it up. A rank woken by a message then waits for the interpreter's switch
-# interval (5 ms by default) before it can run. Measured on an H200 with two
-# ranks on cuda:0 (bench/gpu_check.py, local section): at 0.2 ms a host-bound
-# step took 0.72-0.97x as long as at 5 ms, depending on the schedule.
-LOCAL_GPU_SWITCH_INTERVAL = 2e-4
+# it up. A rank woken by a message may then wait up to the interpreter's
+# switch interval (5 ms by default) before it runs. A shorter interval is a
+# lead, not a default: on an H200 with two ranks on cuda:0 (bench/gpu_check.py,
+# local section, overhead-bound and empty stages, 4 schedules each), 0.2 ms
+# took 0.72-1.05x the default's step time in one run and 0.76-1.15x in the
+# next (geometric means 0.89 and 0.97): no clear gain for a process-wide
+# setting. ``Pipe._switch_interval`` applies one during local steps; the
+# device check measures it.
+SHORT_SWITCH_INTERVAL = 2e-4
 
 
 @contextlib.contextmanager
