@@ -72,21 +72,43 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _cuda_time(fn, warmup: int = 3, repeats: int = 20) -> float:
-    """Median seconds of ``fn`` on the GPU (CUDA events around each call)."""
+def _cuda_time(fn, warmup: int = 3, repeats: int = 20, device_only: bool = False) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events around each call).
+
+    The stream is idle when the start event is recorded, so the span also
+    holds whatever host time ``fn`` spends before its GPU work is queued.
+    ``device_only`` queues a 2 ms spin kernel first, so the host has queued
+    everything before the GPU reaches the start event: the GPU's own time.
+    """
     if DEV != "cuda":
         return _wall_time(fn, 1, 3)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    cycles = 4_000_000 if device_only else 0  # ~2 ms at an H200's 1.98 GHz
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if cycles:
+            torch.cuda._sleep(cycles)
         start.record()
         fn()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _host_time(fn, repeats: int = 20) -> float:
+    """Median wall seconds of one call of ``fn`` on the host (the GPU not drained between calls)."""
+    fn()
+    _sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    _sync()
     return statistics.median(times)
 
 
@@ -236,6 +258,14 @@ def section_pack() -> None:
         figure(f"pack {n} tensors: share of copy bandwidth", t_copy / t_pack, "",
                f"target >= 0.85; {2 * total / t_pack / 1e9:.0f} GB/s")
         figure(f"pack {n} tensors: speed vs _foreach_copy_", t_each / t_pack, "x", "target >= 1.2 for 8+")
+        # The same, split: the GPU's own time (host work hidden behind a spin
+        # kernel) and the host's time per call.
+        t_dev = _cuda_time(lambda: pack(tensors, out=flat), device_only=True)
+        t_each_dev = _cuda_time(lambda: torch._foreach_copy_(views, tensors), device_only=True)
+        figure(f"pack {n} tensors: GPU time alone, share of copy bandwidth", t_copy / t_dev, "",
+               f"_foreach_copy_ {t_copy / t_each_dev:.2f}")
+        figure(f"pack {n} tensors: host time per call", _host_time(lambda: pack(tensors, out=flat)) * 1e6, " us",
+               f"_foreach_copy_ {_host_time(lambda: torch._foreach_copy_(views, tensors)) * 1e6:.0f} us")
         halves = list(torch.randn(total // 4, device=DEV).chunk(n))
         flat16, layout16 = pack(halves, wire_dtype=torch.bfloat16)
         t_cast = _cuda_time(lambda: pack(halves, wire_dtype=torch.bfloat16, out=flat16))
