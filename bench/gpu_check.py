@@ -13,14 +13,15 @@ Sections:
              their torch reference on CUDA tensors, forward and backward.
   pack       pack/unpack on CUDA: bit-exact round trip, wire casts equal to
              torch's, bandwidth against one device copy of the same bytes
-             and against torch._foreach_copy_ into views.
+             and against torch._foreach_copy_ into views (with and without
+             the host's time), host time per call.
   local      a 2-rank local pipeline with both ranks on cuda:0 against the
              same stages run sequentially (gradients equal for gpipe, 1f1b,
              zb-h1, zbv; step-time ratio on gpu-bound, host-bound and
              overhead-bound shapes; step time per action, and on empty
-             stages the host overhead of one action;
-             caching-allocator segments and receive slots created in steady
-             state; ring off / ring on, i.e. copies on the compute stream
+             stages the host overhead of one action; live GPU memory,
+             caching-allocator segments and receive slots over steps in
+             steady state; ring off / ring on, i.e. copies on the compute stream
              against the copy lanes; the share of the GPU's copy time that
              overlapped a kernel, from the profiler's device timeline).
   grads      every schedule, 2 ranks on cuda:0, in fp64: the step's loss,
