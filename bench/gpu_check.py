@@ -494,7 +494,7 @@ def section_grads() -> None:
             loss = pipe.step(x, y, loss_fn)
             pipe.close()
             _sync()
-            diff = max([abs(float(loss) - float(want_loss)), (x.grad - x_ref.grad).abs().max().item()]
+            diff = max([abs(loss.item() - want_loss.item()), (x.grad - x_ref.grad).abs().max().item()]
                        + [(p.grad - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters())])
             check(f"{name} checkpoint={checkpoint}: loss and gradients equal the unsplit model's",
                   diff < 1e-10, f"max abs diff {diff:.1e}")
