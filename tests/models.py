@@ -146,3 +146,76 @@ def five_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
     """Use balance=[2, 3]: the boundary carries FiveOut's value."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(5, 8), FiveOut(), FiveIn(), nn.Linear(8, 8), nn.Linear(8, 3)).to(dtype)
+
+
+# --- a GPT: the workload people pipeline -------------------------------------
+#
+# Pre-LN decoder blocks as separate layers of one nn.Sequential, the shape the
+# benchmarks and the correctness matrix use: token + position embedding,
+# blocks (LayerNorm, causal attention through scaled_dot_product_attention,
+# GELU MLP, residual adds), then LayerNorm and the vocabulary head.
+
+
+class Embed(nn.Module):
+    """Token ids (batch, seq) → token + learned position embeddings (batch, seq, d)."""
+
+    def __init__(self, vocab: int, d: int, seq: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d)
+        self.positions = nn.Embedding(seq, d)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(pos)
+
+
+class Block(nn.Module):
+    """x + attention(LN(x)), then x + MLP(LN(x)); causal, ``heads`` heads."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.act, self.down = nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        # (b, t, d) -> (b, heads, t, d / heads)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(self.act(self.up(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the vocabulary projection: (batch, seq, d) → logits."""
+
+    def __init__(self, d: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.out = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+def gpt(vocab: int = 32, d: int = 16, heads: int = 2, blocks: int = 4, seq: int = 8,
+        dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """Embed, ``blocks`` Blocks, Head: ``blocks + 2`` layers to balance."""
+    torch.manual_seed(seed)
+    return nn.Sequential(Embed(vocab, d, seq), *[Block(d, heads) for _ in range(blocks)],
+                         Head(d, vocab)).to(dtype)
+
+
+def lm_loss(logits, targets):
+    """Next-token cross-entropy: logits (batch, seq, vocab), targets (batch, seq)."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_batch(batch: int, vocab: int = 32, seq: int = 8, seed: int = 0):
+    """Token ids and next-token targets for ``gpt``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (batch, seq + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()

@@ -33,9 +33,8 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
-from fastpipe.runtime._backward import (
-    WeightWork, backward_full, backward_fused, backward_input, backward_weight,
-)
+from fastpipe.runtime import deferred
+from fastpipe.runtime._backward import backward_full, backward_fused
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.chain import Chain, ChainWork
 from fastpipe.runtime.chain import enabled as chains_enabled
@@ -66,8 +65,10 @@ class Stage:
     # Saved-activation bytes of a forward, by (kind, input shapes and dtypes):
     # counted with hooks the first time, then looked up (hooks cost ~5 %).
     saved_bytes: dict = field(default_factory=dict, init=False)
-    # W's reused weight-gradient buffers (``_backward.backward_weight``).
+    # Chain W's reused weight-gradient buffers (``Chain.backward_weight``).
     workspace: dict = field(default_factory=dict, init=False)
+    # W work of a split schedule waiting to be gathered (``deferred.WeightQueue``).
+    weights: deferred.WeightQueue = field(default_factory=deferred.WeightQueue, init=False)
     # The layers as a Chain (``fastpipe.runtime.chain``) when they all are
     # ones it knows: forward and backward then run without a graph.
     chain: Chain | None = field(init=False)
@@ -96,6 +97,12 @@ class _Saved:
     # alone, on the last stage, whose output ``out`` is a leaf).
     chain: list[torch.Tensor] | None = None
     out: torch.Tensor | None = None
+    # Split schedules: the weight work the layers' backward leaves for W.
+    pending: deferred.Pending | None = None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 class RankExecutor:
@@ -214,7 +221,7 @@ class RankExecutor:
         self._local: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._outbox: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
-        self._weights: dict[tuple[int, int], WeightWork] = {}
+        self._weights: dict[tuple[int, int], deferred.Pending | ChainWork] = {}
         self._results: dict[int, Any] = {}
         # Gradients of the first stage's inputs, by microbatch: the caller
         # carries them into its own tensors (Pipe._backward_into_inputs).
@@ -229,6 +236,11 @@ class RankExecutor:
         # A known loss after a chain stage is computed with its gradient, no graph.
         last = self.schedule.stages - 1
         self._known_loss = known_loss(loss_fn) if train and last in self._chains else None
+        # A split schedule (I and W actions): the other stages' layers defer
+        # their weight gradients to W (``fastpipe.runtime.deferred``).
+        self._split = train and any(a.kind is Kind.W for a in self.actions)
+        installed = [deferred.install(st.module) for i, st in self.stages.items()
+                     if i not in self._chains] if self._split else []
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
         if self._ahead:
@@ -256,6 +268,11 @@ class RankExecutor:
         finally:
             for i in self._chains:  # no reference to the parameters outlives the step
                 self.stages[i].chain.unbind()
+            for layers in installed:
+                deferred.uninstall(layers)
+            if self._weights or any(st.weights.waiting for st in self.stages.values()):
+                for st in self.stages.values():  # a failed step: W's work is dropped
+                    st.weights.clear()
         leftovers = [
             name for name in ("_saved", "_weights", "_outbox", "_pending", "_local", "_held")
             if getattr(self, name)
@@ -284,13 +301,17 @@ class RankExecutor:
     def _flush_deferred(self, origin: float | None) -> None:
         """Runs the W chain stages deferred, so .grad is complete when the step
         returns; on a timeline it is a W of the step's last microbatch."""
-        for i in self._chains:
-            chain = self.stages[i].chain
-            if not chain.deferred_bytes:
+        for i, stage in self.stages.items():
+            chain = stage.chain if i in self._chains else None
+            held = chain.deferred_bytes if chain is not None else stage.weights.nbytes
+            if not held and not stage.weights.waiting:
                 continue
             t0 = time.perf_counter()
-            self._hold(-chain.deferred_bytes)
-            chain.flush_weight(self.stages[i].workspace, self.fused_wgrad)
+            self._hold(-held)
+            if chain is not None:
+                chain.flush_weight(stage.workspace, self.fused_wgrad)
+            else:
+                stage.weights.flush()
             if self.records is not None:
                 last = Action(i, Kind.W, self.schedule.microbatches - 1)
                 self.records.append(TimelineRecord(self.rank, last, t0 - origin,
@@ -433,8 +454,10 @@ class RankExecutor:
             rng = None if not ckpt else RngState.capture(stage.device) \
                 if stage.stochastic or self.rng_lock is None else NO_RANDOM
             counting = self._train and known is None
+            pending = deferred.Pending() if self._split and not ckpt else None
             with self._saved_bytes.counting() if counting else nullcontext():
-                with forgetful() if ckpt else nullcontext(), self._autocast():
+                with forgetful() if ckpt else nullcontext(), self._autocast(), \
+                        deferred.collecting(pending) if pending is not None else nullcontext():
                     out = stage.module(unflatten(leaves, spec))
                     loss = self._loss(mb, out) if last and self._train else None
         if self._train:
@@ -447,6 +470,8 @@ class RankExecutor:
             self._count((a.stage, mb), start)
         if last:
             self._finish_forward(mb, out, loss, leaves, rng, spec)
+            if self._train:
+                self._saved[(a.stage, mb)].pending = pending
             return
         tensors, out_spec = flatten(out)
         self._deliver(("F", a.stage + 1, mb), a.stage + 1, (tensors, out_spec))
@@ -454,7 +479,7 @@ class RankExecutor:
             # Keep graph edges, not the output tensors: once sent, an output's
             # memory is freed unless autograd itself saved it for backward.
             roots = [] if ckpt else [get_gradient_edge(t) for t in tensors if needs_grad(t)]
-            self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, spec=spec)
+            self._saved[(a.stage, mb)] = _Saved(roots, leaves, rng=rng, spec=spec, pending=pending)
 
     def _seeded(self, stage: Stage, a: Action):
         """A stochastic forward's own seed, where ranks share a generator (``rng_seed``)."""
@@ -567,8 +592,10 @@ class RankExecutor:
         known = stage.saved_bytes.get(shape_key)
         start = self._saved_bytes.total
         counting = self._saved_bytes.counting() if known is None else nullcontext()
+        saved.pending = deferred.Pending() if self._split else None
+        collect = deferred.collecting(saved.pending) if self._split else nullcontext()
         with recompute(saved.rng, self.rng_lock if stage.stochastic else None), counting, \
-                self._autocast():
+                self._autocast(), collect:
             out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
                 loss = self._loss(mb, out)
@@ -624,27 +651,39 @@ class RankExecutor:
                 self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
                 return
         backward_full(saved.roots, saved.grads, self.keep_graphs)
+        if saved.pending is not None:  # B of a split schedule: its W at once
+            deferred.run_weight(saved.pending.entries)
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
 
     def _backward_input(self, a: Action) -> None:
-        saved = self._grads_for(a.stage, a.microbatch)
-        del self._saved[(a.stage, a.microbatch)]
+        """I: one plain backward over the stage; the layers with a weight
+        rule leave their weight gradients in ``saved.pending`` (see
+        ``fastpipe.runtime.deferred``), the rest accumulate now."""
+        key = (a.stage, a.microbatch)
+        saved = self._grads_for(*key)
+        del self._saved[key]
         if saved.chain is not None:
-            self._weights[(a.stage, a.microbatch)] = self._chain_input(a, saved)
+            self._weights[key] = self._chain_input(a, saved)
             return
-        grads, work = backward_input(
-            saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params, self.keep_graphs,
-            self.fused_wgrad,
-        )
-        self._weights[(a.stage, a.microbatch)] = work
-        self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
+        backward_full(saved.roots, saved.grads, self.keep_graphs)
+        pending = saved.pending if saved.pending is not None else deferred.Pending()
+        # What W reads that may be a view of a received buffer, handed back
+        # after W: cloned if W's work waits beyond it (``WeightQueue.add``).
+        pending.borrowed = {_storage(t) for t in (*saved.leaves, *(saved.grads or ()))
+                            if isinstance(t, torch.Tensor)}
+        self._hold(pending.grad_bytes)
+        self._weights[key] = pending
+        self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
 
     def _backward_weight(self, a: Action) -> None:
         work, stage = self._weights.pop((a.stage, a.microbatch)), self.stages[a.stage]
         if isinstance(work, ChainWork):
             self._chain_weight(stage, work)
             return
-        backward_weight(work, self.keep_graphs, stage.workspace)
+        before = stage.weights.nbytes
+        self._hold(-work.grad_bytes)
+        stage.weights.add(work, self.gather_w)
+        self._hold(stage.weights.nbytes - before)
 
     def _chain_weight(self, stage: Stage, work: ChainWork) -> None:
         """W of a chain stage: now, or deferred to be gathered with others."""

@@ -1,0 +1,559 @@
+"""Deferred weight gradients: the I/W split of zero-bubble schedules, for any stage.
+
+A zero-bubble schedule splits a stage's backward in two: ``I`` produces the
+gradient the previous stage waits for, ``W`` the weight gradients, later,
+in time the schedule would otherwise leave idle. Here the split is made by
+the layers themselves, as in the zero-bubble paper's implementation and
+Megatron's ``delay_wgrad_compute``: while a stage runs forward under a
+split schedule, every layer with a rule (``nn.Linear``, ``nn.LayerNorm``,
+``nn.RMSNorm``, ``nn.Embedding``, and what users register) runs as one
+autograd Function whose backward computes only the input gradient and
+appends (the rule, its parameters, what it saved, the output gradient) to
+the microbatch's :class:`Pending` list. ``I`` is then one ordinary engine
+call over the stage; ``W`` runs the list:
+
+    F:  x ─► [Linear]─► ... ─► [LayerNorm] ─► out       graph as usual
+    I:  g ─► dx ─► ... ─► dx                            one engine call;
+              └─ (Linear, x, g)   └─ (LayerNorm, ...)   each rule appends
+    W:  for each entry: W.grad += gᵀx, ...              no graph, no engine
+
+No graph is kept for W and no second walk of it happens: what W needs is
+what the rule saved, counted like any saved activation. A parameter whose
+layer has no rule (or that a hook watches) gets its gradient in ``I`` from
+autograd, as in a plain backward: correct, just not deferred.
+
+Rounding: each rule computes what autograd's formula computes, in the
+dtype autograd would (under autocast, the layer's inputs are cast first,
+as autocast casts them, and W's gradient is computed in that dtype and
+added to the float ``.grad``). A Linear's weight gradient is accumulated
+with one ``addmm_`` into an existing ``.grad`` of its own dtype (autograd:
+``mm`` then ``add_``), and Linears of several microbatches may be gathered
+into one GEMM (:class:`WeightQueue`): the sum over microbatches then
+happens inside the GEMM, as for the unsplit batch.
+
+What keeps the plain backward (checked per call, so nothing is wrong, only
+undeferred): grad mode off, a parameter with tensor or post-accumulate
+hooks, a ``nn.Embedding`` with ``max_norm`` or sparse gradients, layers
+inside a module compiled with ``torch.compile`` (Dynamo traces the layers'
+class ``forward``; a Python side effect in a backward cannot be captured),
+and a module whose ``forward`` the user replaced on the instance.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_aten = torch.ops.aten
+
+
+class WeightRule:
+    """How one layer type splits its backward into input and weight parts.
+
+    Subclass it and :func:`register_weight_rule` the layer type. Every
+    method runs without autograd recording and with autocast off; under
+    autocast the input and the floating parameters come cast to
+    ``autocast_dtype``'s answer first.
+
+    ``params(module)``: the parameters (None for an absent one) in a fixed
+    order; ``weight_grads`` answers in that order.
+    ``forward(module, x, params)``: ``(output, saved, meta)``; ``saved`` is
+    a tuple of the tensors backward needs (never the output itself: autograd
+    saves it through the Function), ``meta`` anything else.
+    ``input_grad(saved, meta, g)``: the gradient of ``x`` (None if it has none).
+    ``weight_grads(saved, meta, targets, g)``: a fresh gradient per
+    parameter, None where ``targets`` has None (that one needs none) or
+    where the rule added it into the target's ``.grad`` itself.
+    ``rows(saved, meta)``/``gather(entries)``: rules whose weight gradient is
+    a sum over rows (a Linear) say how many rows a call has, and sum the
+    gradients of one or several calls in one go, possibly into ``.grad``
+    in place (what W runs unless autograd's exact rounding is asked for);
+    other rules leave ``rows`` None.
+    """
+
+    def params(self, module: nn.Module) -> tuple[torch.Tensor | None, ...]:
+        raise NotImplementedError
+
+    def accepts(self, module: nn.Module) -> bool:
+        """False where this module must keep the plain backward."""
+        return True
+
+    def autocast_dtype(self, module: nn.Module, x: torch.Tensor,
+                       params: Sequence[torch.Tensor | None]) -> torch.dtype | None:
+        """The dtype autocast runs this layer in, or None where it leaves
+        the inputs as they are (the default: layers outside autocast's lists)."""
+        return None
+
+    def forward(self, module: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor | None]
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Any]:
+        raise NotImplementedError
+
+    def input_grad(self, saved, meta, g: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def weight_grads(self, saved, meta, targets, g: torch.Tensor
+                     ) -> tuple[torch.Tensor | None, ...]:
+        raise NotImplementedError
+
+    def rows(self, saved, meta) -> int | None:
+        return None
+
+    def gather(self, entries: list[Entry]) -> tuple[torch.Tensor | None, ...]:
+        raise NotImplementedError
+
+
+_RULES: dict[type, WeightRule] = {}
+
+
+def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
+    """Defers the weight gradients of layers of exactly ``layer_type`` with ``rule``.
+
+    Args:
+        layer_type: an ``nn.Module`` subclass (subclasses of it are not
+            covered: their ``forward`` may differ).
+        rule: a :class:`WeightRule` instance.
+
+    Raises:
+        TypeError: ``layer_type`` is not an ``nn.Module`` subclass or
+            ``rule`` not a ``WeightRule``.
+    """
+    if not (isinstance(layer_type, type) and issubclass(layer_type, nn.Module)):
+        raise TypeError(f"layer_type must be an nn.Module subclass, got {layer_type!r}")
+    if not isinstance(rule, WeightRule):
+        raise TypeError(f"rule must be a fastpipe WeightRule, got {type(rule).__name__}")
+    _RULES[layer_type] = rule
+
+
+# --- the entries W runs ---------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One layer call's weight-gradient work."""
+
+    rule: WeightRule
+    params: tuple[torch.Tensor | None, ...]
+    saved: tuple[torch.Tensor, ...]
+    meta: Any
+    g: torch.Tensor
+    layer: int  # id of the module: entries of one layer gather together
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.saved, self.g))
+
+
+@dataclass
+class Pending:
+    """The entries one microbatch's I left for its W, in the order I made them."""
+
+    entries: list[Entry] = field(default_factory=list)
+    # Storages (data pointers) of tensors the executor may hand back after
+    # W (received buffers): an entry reading one is cloned before it waits.
+    borrowed: set[int] = field(default_factory=set)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the output gradients kept for W (what I adds to memory)."""
+        return sum(e.g.numel() * e.g.element_size() for e in self.entries)
+
+
+def accumulate(p: torch.Tensor, fresh: torch.Tensor) -> None:
+    """What AccumulateGrad does with a fresh gradient: store it (cast to the
+    parameter's dtype) where ``.grad`` is None, add it in place otherwise."""
+    if p.grad is None:
+        p.grad = fresh.to(p.dtype) if fresh.dtype != p.dtype else fresh
+    else:
+        p.grad.add_(fresh)
+
+
+def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
+    """W: every entry's weight gradients into ``.grad``; entries of one layer
+    with a row-wise rule are gathered into one call of ``rule.gather``.
+
+    ``fuse=False`` keeps autograd's own rounding: one entry at a time, each
+    fresh gradient added to ``.grad`` as AccumulateGrad adds it.
+    """
+    with torch.no_grad():
+        groups: dict[int, list[Entry]] = {}
+        for e in entries:
+            groups.setdefault(e.layer, []).append(e)
+        for group in groups.values():
+            first = group[0]
+            if fuse and first.rule.rows(first.saved, first.meta) is not None:
+                grads = first.rule.gather(group)
+                _store(first.params, grads)
+                continue
+            for e in group:
+                _store(e.params, e.rule.weight_grads(e.saved, e.meta, e.params, e.g))
+    if isinstance(entries, list):
+        entries.clear()  # what W read goes now, not with the caller's last reference
+
+
+def _store(params, grads) -> None:
+    for p, g in zip(params, grads):
+        if p is not None and g is not None:
+            accumulate(p, g)
+
+
+class WeightQueue:
+    """A stage's W work, gathered over microbatches while it is cheap to hold.
+
+    A Linear's weight gradient over few rows is a pass over the whole weight
+    matrix for little arithmetic; gathering the rows of several
+    microbatches into one GEMM does the same passes once. Entries wait while
+    the rows waiting keep fewer bytes than the smallest deferred weight
+    matrix of the stage would (``limit_rows``: ``out*in // (out+in)``);
+    then, and at the end of the step (``flush``), they run. Memory follows:
+    what waits is booked by the executor (``nbytes``).
+    """
+
+    def __init__(self) -> None:
+        self.waiting: list[Entry] = []
+        self.rows = 0
+        self.nbytes = 0
+        self.limit_rows: int | None = None
+
+    def add(self, pending: Pending, gather: bool = True) -> None:
+        """W of one microbatch: runs now, or waits to be gathered (``gather``).
+
+        A tensor in ``pending.borrowed`` storage may be a view of a buffer
+        the executor hands back after this W: it is cloned before it waits.
+        """
+        rows = self._rows(pending.entries)
+        if not gather or rows is None or self.rows + rows >= self._limit(pending.entries):
+            entries = self.waiting + pending.entries
+            pending.entries.clear()
+            self.clear()
+            run_weight(entries, fuse=gather)
+            return
+        own = pending.borrowed
+        for e in pending.entries:
+            e.saved = tuple(t.clone() if _storage(t) in own else t for t in e.saved)
+            if _storage(e.g) in own:
+                e.g = e.g.clone()
+            self.nbytes += e.nbytes
+        self.waiting += pending.entries
+        pending.entries.clear()
+        self.rows += rows
+
+    def flush(self) -> None:
+        """Runs whatever waits (the end of a step)."""
+        run_weight(self.waiting)
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops whatever waits (a failed step), or forgets what has run."""
+        self.waiting, self.rows, self.nbytes = [], 0, 0
+
+    @staticmethod
+    def _rows(entries: list[Entry]) -> int | None:
+        """The rows of a microbatch's Linears; None when there is nothing to
+        gather, or when they compute in another dtype than their parameters'
+        (autocast): one low-precision GEMM over several microbatches would
+        round their sum once in that dtype, where autograd adds each
+        microbatch's gradient in the parameter's dtype."""
+        rows = 0
+        for e in entries:
+            r = e.rule.rows(e.saved, e.meta)
+            if r is None:
+                continue
+            if any(p is not None and p.dtype != e.g.dtype for p in e.params):
+                return None
+            rows = max(rows, r)
+        return rows or None
+
+    def _limit(self, entries: list[Entry]) -> int:
+        if self.limit_rows is None:
+            sizes = [e.params[0].shape for e in entries
+                     if e.rule.rows(e.saved, e.meta) is not None and e.params[0] is not None]
+            self.limit_rows = min((o * i // (o + i) for o, i in sizes), default=0)
+        return self.limit_rows
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# --- collecting: the forward side ------------------------------------------------
+
+_state = threading.local()
+
+
+@contextmanager
+def collecting(pending: Pending) -> Iterator[Pending]:
+    """Layers with a rule called on this thread inside defer into ``pending``."""
+    outer = getattr(_state, "pending", None)
+    _state.pending = pending
+    try:
+        yield pending
+    finally:
+        _state.pending = outer
+
+
+class _Deferred(torch.autograd.Function):
+    """One layer call: forward as the rule says, backward the input gradient
+    only, the weight part appended to the microbatch's Pending."""
+
+    @staticmethod
+    def forward(ctx, rule, module, pending, x, *params):
+        # W accumulates into the parameters called with (a replica swapped in
+        # for this call, under local ties), not whatever the module holds later.
+        ctx.targets = tuple(p if p is not None and p.requires_grad else None for p in params)
+        ctx.rule, ctx.pending, ctx.x_dtype, ctx.layer = rule, pending, x.dtype, id(module)
+        kind = x.device.type
+        cast = rule.autocast_dtype(module, x, params) if torch.is_autocast_enabled(kind) else None
+        with torch.autocast(kind, enabled=False):
+            if cast is not None:
+                x = x.to(cast)
+                params = tuple(p.to(cast) if p is not None and p.is_floating_point() else p
+                               for p in params)
+            out, saved, ctx.meta = rule.forward(module, x, params)
+        ctx.save_for_backward(*saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        # Detached: a saved input keeps its grad_fn, which leads back to the
+        # nodes whose ctx holds this Pending (a reference cycle otherwise).
+        saved = tuple(t.detach() if t is not None else None for t in ctx.saved_tensors)
+        rule, targets = ctx.rule, ctx.targets
+        dx = None
+        if ctx.needs_input_grad[3]:
+            dx = rule.input_grad(saved, ctx.meta, g)
+            if dx is not None and dx.dtype != ctx.x_dtype:
+                dx = dx.to(ctx.x_dtype)
+        ctx.pending.entries.append(Entry(rule, targets, saved, ctx.meta, g, ctx.layer))
+        ctx.pending = None  # the graph's last use of it
+        return (None, None, None, dx) + (None,) * len(targets)
+
+
+class _Forward:
+    """A layer's ``forward`` while a stage defers: the rule's Function where
+    the call can defer, the layer class's own ``forward`` otherwise. Set on
+    the instance (``install``); counts the stages that installed it."""
+
+    def __init__(self, module: nn.Module, rule: WeightRule) -> None:
+        self.module, self.rule, self.users = module, rule, 0
+        self.plain = type(module).forward.__get__(module)
+
+    def __call__(self, x, *args, **kwargs):
+        pending = getattr(_state, "pending", None)
+        if pending is None or args or kwargs or not torch.is_grad_enabled():
+            return self.plain(x, *args, **kwargs)
+        module, rule = self.module, self.rule
+        params = rule.params(module)
+        live = [p for p in params if p is not None and p.requires_grad]
+        if not live or not rule.accepts(module) or any(
+                p._backward_hooks or p._post_accumulate_grad_hooks is not None for p in live):
+            return self.plain(x, *args, **kwargs)
+        return _Deferred.apply(rule, module, pending, x, *params)
+
+
+def install(root: nn.Module) -> list[nn.Module]:
+    """Sets the deferring ``forward`` on every layer under ``root`` with a
+    rule (not inside a compiled module, not where ``forward`` is already
+    set on the instance). Returns the layers, for ``uninstall``."""
+    done = []
+    for m in _modules_outside_compiled(root):
+        rule = _RULES.get(type(m))
+        if rule is None:
+            continue
+        fwd = m.__dict__.get("forward")
+        if fwd is None:
+            fwd = m.__dict__["forward"] = _Forward(m, rule)
+        elif not isinstance(fwd, _Forward):
+            continue  # the user's own forward on this instance: keep it
+        fwd.users += 1
+        done.append(m)
+    return done
+
+
+def uninstall(layers: list[nn.Module]) -> None:
+    """Undoes one ``install``: the class ``forward`` is back once no stage uses it."""
+    for m in layers:
+        fwd = m.__dict__.get("forward")
+        if isinstance(fwd, _Forward):
+            fwd.users -= 1
+            if fwd.users == 0:
+                del m.__dict__["forward"]
+    layers.clear()
+
+
+def _modules_outside_compiled(root: nn.Module) -> Iterator[nn.Module]:
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if type(m).__name__ == "OptimizedModule":  # torch.compile's wrapper
+            continue
+        yield m
+        stack.extend(reversed(list(m.children())))
+
+
+# --- the built-in rules ----------------------------------------------------------
+
+
+def _fp32_if_autocast_does(probe: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+                           ) -> torch.dtype | None:
+    """float32 where autocast runs ``probe`` in float32 on ``x``'s device
+    (norms on CUDA), None where it leaves the inputs be (norms on CPU).
+    Asked once per device type and dtypes, on a one-row input."""
+    kind, low = x.device.type, torch.get_autocast_dtype(x.device.type)
+    key = (probe, kind, low, x.dtype)
+    if key not in _FP32:
+        tiny = torch.zeros((1, x.shape[-1]), dtype=low, device=x.device)
+        _FP32[key] = torch.float32 if probe(tiny).dtype == torch.float32 else None
+    return _FP32[key]
+
+
+_FP32: dict[tuple, torch.dtype | None] = {}
+
+
+class LinearRule(WeightRule):
+    """``y = x Wᵀ + b`` over any leading dimensions: I ``g W``, W ``gᵀ x``, ``Σ g``."""
+
+    def params(self, m):
+        return (m.weight, m.bias)
+
+    def autocast_dtype(self, m, x, params):
+        return torch.get_autocast_dtype(x.device.type)  # linear is on autocast's lower-precision list
+
+    def forward(self, m, x, params):
+        w, b = params
+        return F.linear(x, w, b), (x.reshape(-1, x.shape[-1]), w), None
+
+    def input_grad(self, saved, meta, g):
+        return g.matmul(saved[1])
+
+    def weight_grads(self, saved, meta, targets, g):
+        g2 = g.reshape(-1, g.shape[-1])
+        pw, pb = targets
+        return (torch.mm(g2.t(), saved[0]) if pw is not None else None,
+                g2.sum(0) if pb is not None else None)
+
+    def rows(self, saved, meta):
+        return saved[0].shape[0]
+
+    def gather(self, entries):
+        g = torch.cat([e.g.reshape(-1, e.g.shape[-1]) for e in entries])
+        return _linear_grads(entries[0].params, g, torch.cat([e.saved[0] for e in entries]))
+
+
+def _linear_grads(targets, g2: torch.Tensor, x2: torch.Tensor):
+    """``gᵀx`` and ``Σg`` over rows; the weight's added straight into an
+    existing ``.grad`` of the computation's dtype (``addmm_``: no fresh
+    matrix, one pass over ``.grad``; other rounding than autograd's
+    ``mm`` then ``add_``)."""
+    pw, pb = targets
+    gw = None
+    if pw is not None:
+        if pw.grad is not None and pw.grad.dtype == g2.dtype == x2.dtype and pw.grad.is_contiguous():
+            pw.grad.addmm_(g2.t(), x2)
+        else:
+            gw = torch.mm(g2.t(), x2)
+    return gw, (g2.sum(0) if pb is not None else None)
+
+
+class LayerNormRule(WeightRule):
+    """``nn.LayerNorm``: ATen's own backward, the input part in I, the
+    weight and bias parts in W (from the saved mean and rstd)."""
+
+    def params(self, m):
+        return (m.weight, m.bias)
+
+    def autocast_dtype(self, m, x, params):
+        shape, eps = m.normalized_shape, m.eps
+        return _fp32_if_autocast_does(lambda t: F.layer_norm(t, shape, None, None, eps), x)
+
+    def forward(self, m, x, params):
+        w, b = params
+        out, mean, rstd = torch.native_layer_norm(x, m.normalized_shape, w, b, m.eps)
+        return out, (x, mean, rstd, w, b), tuple(m.normalized_shape)
+
+    def input_grad(self, saved, meta, g):
+        x, mean, rstd, w, b = saved
+        return _aten.native_layer_norm_backward(g, x, meta, mean, rstd, w, b,
+                                                [True, False, False])[0]
+
+    def weight_grads(self, saved, meta, targets, g):
+        x, mean, rstd, w, b = saved
+        pw, pb = targets
+        _, gw, gb = _aten.native_layer_norm_backward(
+            g, x, meta, mean, rstd, w, b, [False, pw is not None, pb is not None])
+        return gw, gb
+
+
+class RMSNormRule(WeightRule):
+    """``nn.RMSNorm``: ``y = x · rstd · w``, ``rstd = 1/sqrt(mean(x²) + eps)``
+    over the normalized dimensions, computed in float32 at least."""
+
+    def params(self, m):
+        return (m.weight,)
+
+    def autocast_dtype(self, m, x, params):
+        shape, eps = m.normalized_shape, m.eps
+        return _fp32_if_autocast_does(lambda t: F.rms_norm(t, shape, None, eps), x)
+
+    def forward(self, m, x, params):
+        (w,) = params
+        dims = tuple(range(-len(m.normalized_shape), 0))
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
+        rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+        out = (xf * rstd).to(x.dtype)
+        if w is not None:
+            out = (out * w).to(x.dtype)
+        return out, (x, rstd, w) if w is not None else (x, rstd), dims
+
+    def input_grad(self, saved, meta, g):
+        x, rstd = saved[0], saved[1]
+        gw = g.to(rstd.dtype) if len(saved) == 2 else (g * saved[2]).to(rstd.dtype)
+        xhat = x.to(rstd.dtype) * rstd
+        n = 1
+        for d in meta:
+            n *= x.shape[d]
+        return rstd * (gw - xhat * (gw * xhat).sum(meta, keepdim=True) / n)
+
+    def weight_grads(self, saved, meta, targets, g):
+        if targets[0] is None:
+            return (None,)
+        x, rstd = saved[0], saved[1]
+        xhat = (x.to(rstd.dtype) * rstd).to(x.dtype)
+        return ((g * xhat).sum(tuple(range(g.dim() - len(meta)))),)
+
+
+class EmbeddingRule(WeightRule):
+    """``nn.Embedding`` (dense, no ``max_norm``): nothing in I (ids have no
+    gradient), the scatter-add of ``g`` into the table's rows in W."""
+
+    def params(self, m):
+        return (m.weight,)
+
+    def accepts(self, m):
+        return m.max_norm is None and not m.sparse
+
+    def forward(self, m, ids, params):
+        out = F.embedding(ids, params[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False)
+        pad = m.padding_idx if m.padding_idx is not None else -1
+        return out, (ids,), (params[0].shape[0], pad, m.scale_grad_by_freq)
+
+    def input_grad(self, saved, meta, g):
+        return None
+
+    def weight_grads(self, saved, meta, targets, g):
+        num, pad, freq = meta
+        return (_aten.embedding_dense_backward(g, saved[0], num, pad, freq),)
+
+
+register_weight_rule(nn.Linear, LinearRule())
+register_weight_rule(nn.LayerNorm, LayerNormRule())
+register_weight_rule(nn.Embedding, EmbeddingRule())
+if hasattr(nn, "RMSNorm"):
+    register_weight_rule(nn.RMSNorm, RMSNormRule())
