@@ -26,8 +26,8 @@ OpenMP's default of one per core. The benchmark therefore runs itself with
 same single thread per worker as fastpipe's ranks, which apply the caller's
 count on their lanes themselves.
 
-    python -m bench local [--workload compute|overhead|both] [--repeats N]
-                          [--fused-wgrad off|on|both]
+    python -m bench local [--model gpt|mlp|both] [--workload compute|overhead|both]
+                          [--repeats N] [--fused-wgrad off|on|both]
 """
 
 from __future__ import annotations
@@ -39,41 +39,41 @@ import sys
 import torch
 from torch import nn
 
-from bench._runner import round_robin_medians, workload_parser, workloads
-from bench.pipelining import (
-    TWO_STAGES, WORKLOADS, fused_sequential_step, make_model, sequential_step,
-)
+from bench._runner import round_robin_medians, workload_parser
+from bench._workloads import Workload, selected
+from bench.pipelining import TWO_STAGES, balance, fused_sequential_step
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
 
-def _torchgpipe_step(width, blocks, chunks):
+def _torchgpipe_step(w: Workload):
     try:
         from torchgpipe import GPipe
     except ImportError:
         return None
-    model = make_model(width, blocks)
-    half = len(model) // 2
-    gpipe = GPipe(model, balance=[half, len(model) - half], devices=["cpu", "cpu"], chunks=chunks,
+    gpipe = GPipe(w.build(), balance=balance(w, 2), devices=["cpu", "cpu"], chunks=w.chunks,
                   checkpoint="never")
+    loss_fn = w.loss_fn
 
     def step(x, y):
-        nn.functional.mse_loss(gpipe(x), y).backward()
+        loss_fn(gpipe(x), y).backward()
 
     return step
 
 
-def _two_threads_step(width, blocks, batch, chunks):
+def _two_threads_step(w: Workload):
     """The two halves of the model, fwd+bwd over every microbatch, on two
     threads with nothing between them: no pipeline dependencies, no
     transfers: what the GIL and the two cores let two threads of Python
     stages overlap when both run the same kind of work at once."""
     import threading
 
-    model = make_model(width, blocks)
+    model = w.build()
     half = len(model) // 2
     parts = [model[:half], model[half:]]
-    inputs = [torch.randn(batch, width).tensor_split(chunks) for _ in parts]
+    x, _ = w.data()
+    with torch.no_grad():
+        inputs = [x.tensor_split(w.chunks), model[:half](x).tensor_split(w.chunks)]
 
     def work(part, xs):
         torch.set_num_threads(1)
@@ -81,7 +81,7 @@ def _two_threads_step(width, blocks, batch, chunks):
             # The graph freed after the backward, not inside it, as fastpipe's
             # local mode does (fastpipe.runtime._backward): freeing inside
             # takes the GIL once per saved tensor.
-            loss = part(x).square().mean()
+            loss = part(x).float().square().mean()
             loss.backward(retain_graph=True)
             del loss
 
@@ -98,29 +98,28 @@ def _two_threads_step(width, blocks, batch, chunks):
 FUSED = " +fused"
 
 
-def run(workload: str, repeats: int, warmup: int, schedules: list[str], fused: str = "off") -> None:
+def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str = "off") -> None:
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
-    width, blocks, batch, chunks = WORKLOADS[workload]
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    runners = {"sequential": sequential_step(width, blocks, batch, chunks),
-               "two threads": _two_threads_step(width, blocks, batch, chunks)}
-    theirs_step = _torchgpipe_step(width, blocks, chunks)
+    x, y = w.data()
+    runners = {"sequential": w.sequential_step(), "two threads": _two_threads_step(w)}
+    theirs_step = _torchgpipe_step(w)
     if theirs_step is not None:
         runners["torchgpipe"] = functools.partial(theirs_step, x, y)
     pipes = []
     variants = {"off": [False], "on": [True], "both": [False, True]}[fused]
     if True in variants:
-        pipe, runners["sequential" + FUSED] = fused_sequential_step(width, blocks, batch, chunks)
+        pipe, runners["sequential" + FUSED] = fused_sequential_step(w)
         pipes.append(pipe)
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
         for f in variants:
-            pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+            pipes.append(Pipe(w.build(), chunks=w.chunks, schedule=schedule,
+                              balance=balance(w, 2 * (spr or 1)),
                               devices=["cpu", "cpu"], stages_per_rank=spr, fused_wgrad=f))
             name = schedule + (FUSED if f else "")
-            runners[name] = functools.partial(pipes[-1].step, x, y, nn.functional.mse_loss)
+            runners[name] = functools.partial(pipes[-1].step, x, y, w.loss_fn)
     # In turns (a few steps of each, round after round), so machine drift
     # falls on the baseline, the peer and every schedule alike.
     times = round_robin_medians(runners, warmup, max(1, repeats // 3), lambda: None, per_round=3)
@@ -131,8 +130,8 @@ def run(workload: str, repeats: int, warmup: int, schedules: list[str], fused: s
     seq_fused = times.pop("sequential" + FUSED, None)
     rows = times
     ideal = seq / 2
-    print(f"\n{workload}-bound, local mode: {blocks} MLP blocks d={width}, batch {batch}, {chunks} "
-          f"microbatches, 2 cpu devices x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
+    print(f"\n{w.name}, local mode: {w.describe()}, 2 cpu devices x 1 thread; "
+          f"sequential fwd+bwd {seq * 1e3:.1f} ms")
     if seq_fused is not None:
         print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
               f"the baseline of the{FUSED} rows' efficiency")
@@ -164,6 +163,6 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-wgrad", choices=["off", "on", "both"], default="both",
                         help="fastpipe rows without, with, or both without and with fused_wgrad")
     args = parser.parse_args(argv)
-    for w in workloads(args):
+    for w in selected(args):
         run(w, args.repeats, args.warmup, args.schedules.split(","), args.fused_wgrad)
     return 0

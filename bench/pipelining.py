@@ -19,8 +19,12 @@ With ``--fused-wgrad`` fastpipe also runs with ``Pipe(fused_wgrad=True)``
 does the same (the model as one stage of a one-rank fused Pipe), since the
 work itself is cheaper; torch/fused is plain throughput.
 
-    python -m bench pipelining [--workload compute|overhead|both] [--repeats N]
-                               [--fused-wgrad]
+The workloads (``bench._workloads``): a GPT first, then the MLP stack, each
+compute-bound and overhead-bound; both libraries get equal layer counts
+per stage.
+
+    python -m bench pipelining [--model gpt|mlp|both] [--workload compute|overhead|both]
+                               [--repeats N] [--fused-wgrad]
 """
 
 from __future__ import annotations
@@ -32,41 +36,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench._runner import median_time, round_robin_medians, spawn, workload_parser, workloads
+from bench._runner import median_time, round_robin_medians, spawn, workload_parser
+from bench._workloads import WORKLOADS, Workload, selected
 
-WORKLOADS = {
-    # name: (width, blocks, batch, microbatches)
-    "compute": (512, 8, 64, 8),
-    "overhead": (128, 8, 64, 16),
-}
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 TWO_STAGES = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"}
 V_SHAPED = {"zbv", "dualpipev"}
 
 
-def make_model(width: int, blocks: int) -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-          for _ in range(blocks)]
-    )
-
-
-def sequential_step(width, blocks, batch, chunks):
-    """fwd+bwd of the unsplit model over the same microbatches, as a callable."""
-    model = make_model(width, blocks)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-
-    def step():
-        for a, b in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
-            (nn.functional.mse_loss(model(a), b) / chunks).backward()
-
-    return step
-
-
-def sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
-    """Median time of ``sequential_step``, one thread."""
-    return median_time(sequential_step(width, blocks, batch, chunks), warmup, repeats, lambda: None)
+def balance(w: Workload, stages: int) -> list[int]:
+    """Layers per stage, as torch.distributed.pipelining splits them: equal counts."""
+    layers = len(w.build())
+    if layers % stages:
+        raise ValueError(f"{w.name}: {layers} layers do not split into {stages} equal stages")
+    return [layers // stages] * stages
 
 
 def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
@@ -108,51 +91,55 @@ def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn):
     return step
 
 
-def _alone_time(width, blocks, batch, chunks, rank, world, warmup, repeats) -> float:
+def _alone_time(w: Workload, rank, world, warmup, repeats) -> float:
     """Each rank runs its share of the layers over every microbatch with no
     messages and no dependencies, at the same time as the other ranks: the
     machine's own ceiling for the ranks side by side (shared caches, memory
     bandwidth, one core each), which a pipeline's bubble and transfers only
-    lower."""
-    model = make_model(width, blocks)
+    lower. A rank's input is what its first layer gets in the real model."""
+    model = w.build()
     per = len(model) // world
     part = model[rank * per : (rank + 1) * per]
-    xs = torch.randn(batch, width).tensor_split(chunks)
+    x, _ = w.data()
+    with torch.no_grad():
+        x = model[: rank * per](x)
+    xs = x.tensor_split(w.chunks)
 
     def step():
         for x in xs:
-            part(x).square().mean().backward()
+            part(x).float().square().mean().backward()
 
     return round_robin_medians({"alone": step}, warmup, max(1, repeats // 3), dist.barrier,
                                per_round=3)["alone"]
 
 
-def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats, fused=False):
+def _rank_main(rank, world, init, queue, name, schedules, warmup, repeats, fused=False):
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    width, blocks, batch, chunks = WORKLOADS[workload]
-    loss_fn = nn.functional.mse_loss
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    w = WORKLOADS[name]
+    chunks, loss_fn = w.chunks, w.loss_fn
+    x, y = w.data()
     rows = {}
     try:
-        rows["alone"] = _alone_time(width, blocks, batch, chunks, rank, world, warmup, repeats)
+        rows["alone"] = _alone_time(w, rank, world, warmup, repeats)
         for schedule in schedules:
             spr = 2 if schedule in TWO_STAGES else None
-            pipes = [Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+            bal = balance(w, world * (spr or 1))
+            pipes = [Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
                           stages_per_rank=spr, overlap=overlap, shm=shm)
                      for overlap, shm in ((False, None), (False, False), (True, None))]
             runners = {name: functools.partial(pipe.step, x, y, loss_fn)
                        for name, pipe in zip(("ours", "gloo", "lanes"), pipes)}
             if fused:
-                pipes.append(Pipe(make_model(width, blocks), chunks=chunks, schedule=schedule,
+                pipes.append(Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
                                   stages_per_rank=spr, fused_wgrad=True))
                 runners["fused"] = functools.partial(pipes[-1].step, x, y, loss_fn)
             theirs = None
             try:
                 runners["theirs"] = functools.partial(
-                    _torch_runner(schedule, make_model(width, blocks), rank, world, chunks, loss_fn), x, y)
+                    _torch_runner(schedule, w.build(), rank, world, chunks, loss_fn), x, y)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 theirs = f"n/a ({type(exc).__name__})"
             # In turns (three steps each per round), so a slow spell of the
@@ -167,7 +154,7 @@ def _rank_main(rank, world, init, queue, workload, schedules, warmup, repeats, f
     queue.put((rank, rows))
 
 
-def fused_sequential_step(width, blocks, batch, chunks):
+def fused_sequential_step(w: Workload):
     """``sequential_step`` with fused weight gradients: the model as the one
     stage of a one-rank Pipe (local mode, so no process group is needed).
     Returns the Pipe (to close) and the step. A plain one-rank Pipe measured
@@ -176,33 +163,31 @@ def fused_sequential_step(width, blocks, batch, chunks):
     narrow fused rows' efficiency by as much."""
     from fastpipe import Pipe
 
-    pipe = Pipe(make_model(width, blocks), chunks=chunks, schedule="gpipe", devices=["cpu"],
-                fused_wgrad=True)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    return pipe, functools.partial(pipe.step, x, y, nn.functional.mse_loss)
+    pipe = Pipe(w.build(), chunks=w.chunks, schedule="gpipe", devices=["cpu"], fused_wgrad=True)
+    x, y = w.data()
+    return pipe, functools.partial(pipe.step, x, y, w.loss_fn)
 
 
-def _fused_sequential_time(width, blocks, batch, chunks, warmup, repeats) -> float:
-    pipe, step = fused_sequential_step(width, blocks, batch, chunks)
+def _fused_sequential_time(w: Workload, warmup, repeats) -> float:
+    pipe, step = fused_sequential_step(w)
     try:
         return median_time(step, warmup, repeats, lambda: None)
     finally:
         pipe.close()
 
 
-def run(workload: str, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
+def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
         fused: bool = False) -> None:
-    width, blocks, batch, chunks = WORKLOADS[workload]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    seq = sequential_time(width, blocks, batch, chunks, warmup, repeats)
-    seq_fused = _fused_sequential_time(width, blocks, batch, chunks, warmup, repeats) if fused else None
-    rows = spawn(ranks, _rank_main, workload, schedules, warmup, repeats, fused)[0]
+    seq = median_time(w.sequential_step(), warmup, repeats, lambda: None)
+    seq_fused = _fused_sequential_time(w, warmup, repeats) if fused else None
+    rows = spawn(ranks, _rank_main, w.name, schedules, warmup, repeats, fused)[0]
     ideal = seq / ranks
     alone = rows.pop("alone")
-    print(f"\n{workload}-bound: {blocks} MLP blocks d={width}, batch {batch}, {chunks} microbatches, "
-          f"{ranks} gloo ranks x 1 thread; sequential fwd+bwd {seq * 1e3:.1f} ms")
-    print(f"  each rank its layers alone, no pipeline (the machine's ceiling) {alone * 1e3:.1f} ms, "
+    print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; "
+          f"sequential fwd+bwd {seq * 1e3:.1f} ms")
+    print(f"  each rank its layers alone, no pipeline (the two-rank ceiling) {alone * 1e3:.1f} ms, "
           f"efficiency {ideal / alone:.2f}")
     if seq_fused is not None:
         print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
@@ -230,6 +215,6 @@ def main(argv=None) -> int:
     parser.add_argument("--fused-wgrad", action="store_true",
                         help="also run fastpipe with Pipe(fused_wgrad=True)")
     args = parser.parse_args(argv)
-    for w in workloads(args):
+    for w in selected(args):
         run(w, args.repeats, args.warmup, args.schedules.split(","), fused=args.fused_wgrad)
     return 0

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench._runner import round_robin_medians, spawn
-from bench.pipelining import WORKLOADS, make_model
+from bench._workloads import WORKLOADS
 
 GRID_SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b", "zbv"]
 GRID_CHUNKS = [4, 8, 16]
@@ -89,9 +89,10 @@ def _rank_main(rank, world, init, queue, repeats):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    width, blocks, batch, _ = WORKLOADS["compute"]
-    model = make_model(width, blocks)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    w = WORKLOADS["mlp-compute"]
+    width, blocks, batch = w.sizes["width"], w.sizes["blocks"], w.batch
+    model = w.build()
+    x, y = w.data()
     try:
         latency = _latency(rank)
         transfer = _transfer_cost(rank, width, batch // 8)
@@ -108,7 +109,7 @@ def _rank_main(rank, world, init, queue, repeats):
         # Round robin: every candidate is timed in each round, so a slow spell
         # of the machine falls on all of them instead of on a few.
         pipes = {(c.schedule, c.chunks): Pipe(
-            make_model(width, blocks), chunks=c.chunks, schedule=c.schedule,
+            w.build(), chunks=c.chunks, schedule=c.schedule,
             balance=list(c.balance), stages_per_rank=c.stages_per_rank, shm=False)
             for c in result.candidates}
         measured = round_robin_medians(

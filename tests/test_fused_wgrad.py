@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.runtime import _backward
+from fastpipe.runtime import _backward, deferred
 from fastpipe.runtime._backward import backward_fused, backward_input, backward_weight
 from fastpipe.runtime.chain import Chain
 from fastpipe.schedules import names
@@ -87,22 +87,24 @@ def _check(model_fn, x, y, schedule, ranks=2, chunks=4, balance=None, rtol=1e-10
 
 @pytest.fixture
 def count_native(monkeypatch):
-    """How many Linears went through the fused accumulation (the graph's, or
-    a chain stage's: see fastpipe.runtime.chain)."""
+    """The Linears whose weight gradient W accumulated with one GEMM into
+    .grad (deferred entries run fused, or a chain stage's fused W: see
+    fastpipe.runtime.deferred and fastpipe.runtime.chain)."""
     seen = []
-    real = _backward._accumulate_linears
+    real = deferred.run_weight
     chain_w = Chain.backward_weight
 
-    def counted(pairs):
-        seen.extend(pairs)
-        return real(pairs)
+    def counted(entries, fuse=True):
+        if fuse:
+            seen.extend((e.params[0], e) for e in entries if isinstance(e.rule, deferred.LinearRule))
+        return real(entries, fuse)
 
     def counted_chain(self, work, workspace, fused=False):
         if fused:
             seen.append(work)
         return chain_w(self, work, workspace, fused)
 
-    monkeypatch.setattr(_backward, "_accumulate_linears", counted)
+    monkeypatch.setattr(deferred, "run_weight", counted)
     monkeypatch.setattr(Chain, "backward_weight", counted_chain)
     return seen
 
@@ -145,7 +147,7 @@ def test_a_weight_with_a_tensor_hook_keeps_autograd_path(count_native):
     _check(model_fn, x, y, "1f1b")
     assert calls  # the hook ran: the stage holding it took the plain backward
     stage0 = {id(p) for p in mixed()[0].parameters()}
-    assert not any(id(lin.weight.variable) in stage0 for lin, _ in count_native)
+    assert not any(id(weight) in stage0 for weight, _ in count_native)
 
 
 def test_fused_and_plain_backward_agree_on_one_stage():

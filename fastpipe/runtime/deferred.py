@@ -6,37 +6,41 @@ in time the schedule would otherwise leave idle. Here the split is made by
 the layers themselves, as in the zero-bubble paper's implementation and
 Megatron's ``delay_wgrad_compute``: while a stage runs forward under a
 split schedule, every layer with a rule (``nn.Linear``, ``nn.LayerNorm``,
-``nn.RMSNorm``, ``nn.Embedding``, and what users register) runs as one
-autograd Function whose backward computes only the input gradient and
-appends (the rule, its parameters, what it saved, the output gradient) to
-the microbatch's :class:`Pending` list. ``I`` is then one ordinary engine
-call over the stage; ``W`` runs the list:
+``nn.RMSNorm``, ``nn.Embedding``, and what users register) calls its usual
+functional op with its parameters *detached*, so autograd's node for it
+computes the input gradient only, and a hook on the layer's output hands
+the output gradient, when I reaches it, to the microbatch's
+:class:`Pending` list together with what the rule kept for W. ``I`` is one
+ordinary engine call over the stage; ``W`` runs the list:
 
-    F:  x ─► [Linear]─► ... ─► [LayerNorm] ─► out       graph as usual
-    I:  g ─► dx ─► ... ─► dx                            one engine call;
-              └─ (Linear, x, g)   └─ (LayerNorm, ...)   each rule appends
+    F:  x ─► linear(x, W.detach()) ─► ... ─► out        ops as usual, no
+                 └─ hook: keep x                        weight edges
+    I:  g ─► dx ─► ... ─► dx                            one engine call; each
+              └─ (Linear, x, g) appended                hook appends
     W:  for each entry: W.grad += gᵀx, ...              no graph, no engine
 
-No graph is kept for W and no second walk of it happens: what W needs is
-what the rule saved, counted like any saved activation. A parameter whose
-layer has no rule (or that a hook watches) gets its gradient in ``I`` from
-autograd, as in a plain backward: correct, just not deferred.
+No graph is kept for W and no second walk of it happens; the per-layer
+Python is a hook, not an ``autograd.Function``. What W keeps is what
+autograd would have saved for the weight gradient (the input, in the dtype
+autocast computes in), booked by the executor. A parameter whose layer has
+no rule (or that a hook watches) gets its gradient in ``I`` from autograd,
+as in a plain backward: correct, just not deferred.
 
-Rounding: each rule computes what autograd's formula computes, in the
-dtype autograd would (under autocast, the layer's inputs are cast first,
-as autocast casts them, and W's gradient is computed in that dtype and
-added to the float ``.grad``). A Linear's weight gradient is accumulated
-with one ``addmm_`` into an existing ``.grad`` of its own dtype (autograd:
-``mm`` then ``add_``), and Linears of several microbatches may be gathered
-into one GEMM (:class:`WeightQueue`): the sum over microbatches then
-happens inside the GEMM, as for the unsplit batch.
+Rounding: the forward and the input gradient are autograd's own ops; the
+weight gradients are what autograd's formulas compute, in the dtype it
+computes them in, added to the float ``.grad``. By default a Linear's is
+accumulated with one ``addmm_`` into an existing ``.grad`` of its dtype,
+and Linears of several microbatches may be gathered into one GEMM
+(:class:`WeightQueue`): the sum over microbatches then happens inside the
+GEMM, as for the unsplit batch. ``run_weight(fuse=False)`` keeps
+autograd's rounding exactly (``mm`` per microbatch, then ``add_``).
 
 What keeps the plain backward (checked per call, so nothing is wrong, only
-undeferred): grad mode off, a parameter with tensor or post-accumulate
-hooks, a ``nn.Embedding`` with ``max_norm`` or sparse gradients, layers
-inside a module compiled with ``torch.compile`` (Dynamo traces the layers'
-class ``forward``; a Python side effect in a backward cannot be captured),
-and a module whose ``forward`` the user replaced on the instance.
+undeferred): grad mode off, a call with extra arguments, a parameter with
+tensor or post-accumulate hooks, an ``nn.Embedding`` with ``max_norm`` or
+sparse gradients, layers inside a module compiled with ``torch.compile``
+(Dynamo traces the class ``forward`` and cannot capture a hook's Python
+side effect), and a module whose ``forward`` the user set on the instance.
 """
 
 from __future__ import annotations
@@ -55,23 +59,22 @@ _aten = torch.ops.aten
 
 
 class WeightRule:
-    """How one layer type splits its backward into input and weight parts.
+    """How one layer type defers its weight gradients.
 
-    Subclass it and :func:`register_weight_rule` the layer type. Every
-    method runs without autograd recording and with autocast off; under
-    autocast the input and the floating parameters come cast to
-    ``autocast_dtype``'s answer first.
+    Subclass it and :func:`register_weight_rule` the layer type.
 
     ``params(module)``: the parameters (None for an absent one) in a fixed
     order; ``weight_grads`` answers in that order.
-    ``forward(module, x, params)``: ``(output, saved, meta)``; ``saved`` is
-    a tuple of the tensors backward needs (never the output itself: autograd
-    saves it through the Function), ``meta`` anything else.
-    ``input_grad(saved, meta, g)``: the gradient of ``x`` (None if it has none).
-    ``weight_grads(saved, meta, targets, g)``: a fresh gradient per
-    parameter, None where ``targets`` has None (that one needs none) or
-    where the rule added it into the target's ``.grad`` itself.
-    ``rows(saved, meta)``/``gather(entries)``: rules whose weight gradient is
+    ``forward(module, x, detached)``: the layer's output computed from
+    ``detached`` (its parameters, detached, in ``params`` order) with the
+    same ops the module runs, so autograd records only the input path,
+    under whatever autocast region is active; returns ``(output, kept,
+    meta)``: ``kept`` a tuple of the tensors W needs (detached; never the
+    output itself), ``meta`` anything else.
+    ``weight_grads(kept, meta, targets, g)``: a fresh gradient per
+    parameter from the output gradient ``g``, None where ``targets`` has
+    None (that one needs none). Runs without autograd recording or autocast.
+    ``rows(kept, meta)``/``gather(entries)``: rules whose weight gradient is
     a sum over rows (a Linear) say how many rows a call has, and sum the
     gradients of one or several calls in one go, possibly into ``.grad``
     in place (what W runs unless autograd's exact rounding is asked for);
@@ -85,24 +88,15 @@ class WeightRule:
         """False where this module must keep the plain backward."""
         return True
 
-    def autocast_dtype(self, module: nn.Module, x: torch.Tensor,
-                       params: Sequence[torch.Tensor | None]) -> torch.dtype | None:
-        """The dtype autocast runs this layer in, or None where it leaves
-        the inputs as they are (the default: layers outside autocast's lists)."""
-        return None
-
-    def forward(self, module: nn.Module, x: torch.Tensor, params: Sequence[torch.Tensor | None]
+    def forward(self, module: nn.Module, x: torch.Tensor, detached: Sequence[torch.Tensor | None]
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Any]:
         raise NotImplementedError
 
-    def input_grad(self, saved, meta, g: torch.Tensor) -> torch.Tensor | None:
-        raise NotImplementedError
-
-    def weight_grads(self, saved, meta, targets, g: torch.Tensor
+    def weight_grads(self, kept, meta, targets, g: torch.Tensor
                      ) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
 
-    def rows(self, saved, meta) -> int | None:
+    def rows(self, kept, meta) -> int | None:
         return None
 
     def gather(self, entries: list[Entry]) -> tuple[torch.Tensor | None, ...]:
@@ -298,51 +292,15 @@ def collecting(pending: Pending) -> Iterator[Pending]:
         _state.pending = outer
 
 
-class _Deferred(torch.autograd.Function):
-    """One layer call: forward as the rule says, backward the input gradient
-    only, the weight part appended to the microbatch's Pending."""
-
-    @staticmethod
-    def forward(ctx, rule, module, pending, x, *params):
-        # W accumulates into the parameters called with (a replica swapped in
-        # for this call, under local ties), not whatever the module holds later.
-        ctx.targets = tuple(p if p is not None and p.requires_grad else None for p in params)
-        ctx.rule, ctx.pending, ctx.x_dtype, ctx.layer = rule, pending, x.dtype, id(module)
-        kind = x.device.type
-        cast = rule.autocast_dtype(module, x, params) if torch.is_autocast_enabled(kind) else None
-        with torch.autocast(kind, enabled=False):
-            if cast is not None:
-                x = x.to(cast)
-                params = tuple(p.to(cast) if p is not None and p.is_floating_point() else p
-                               for p in params)
-            out, saved, ctx.meta = rule.forward(module, x, params)
-        ctx.save_for_backward(*saved)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        # Detached: a saved input keeps its grad_fn, which leads back to the
-        # nodes whose ctx holds this Pending (a reference cycle otherwise).
-        saved = tuple(t.detach() if t is not None else None for t in ctx.saved_tensors)
-        rule, targets = ctx.rule, ctx.targets
-        dx = None
-        if ctx.needs_input_grad[3]:
-            dx = rule.input_grad(saved, ctx.meta, g)
-            if dx is not None and dx.dtype != ctx.x_dtype:
-                dx = dx.to(ctx.x_dtype)
-        ctx.pending.entries.append(Entry(rule, targets, saved, ctx.meta, g, ctx.layer))
-        ctx.pending = None  # the graph's last use of it
-        return (None, None, None, dx) + (None,) * len(targets)
-
-
 class _Forward:
-    """A layer's ``forward`` while a stage defers: the rule's Function where
-    the call can defer, the layer class's own ``forward`` otherwise. Set on
-    the instance (``install``); counts the stages that installed it."""
+    """A layer's ``forward`` while a stage defers: the rule's split where the
+    call can defer, the layer class's own ``forward`` otherwise. Set on the
+    instance (``install``); counts the stages that installed it."""
 
     def __init__(self, module: nn.Module, rule: WeightRule) -> None:
         self.module, self.rule, self.users = module, rule, 0
         self.plain = type(module).forward.__get__(module)
+        self.layer = id(module)
 
     def __call__(self, x, *args, **kwargs):
         pending = getattr(_state, "pending", None)
@@ -350,11 +308,24 @@ class _Forward:
             return self.plain(x, *args, **kwargs)
         module, rule = self.module, self.rule
         params = rule.params(module)
-        live = [p for p in params if p is not None and p.requires_grad]
-        if not live or not rule.accepts(module) or any(
-                p._backward_hooks or p._post_accumulate_grad_hooks is not None for p in live):
+        # W accumulates into the parameters called with (a replica swapped in
+        # for this call, under local ties), not whatever the module holds later.
+        targets = tuple(p if p is not None and p.requires_grad else None for p in params)
+        if not any(t is not None for t in targets) or not rule.accepts(module) or any(
+                p._backward_hooks or p._post_accumulate_grad_hooks is not None
+                for p in targets if p is not None):
             return self.plain(x, *args, **kwargs)
-        return _Deferred.apply(rule, module, pending, x, *params)
+        out, kept, meta = rule.forward(module, x, tuple(p.detach() if p is not None else None
+                                                        for p in params))
+        if not out.requires_grad:  # nothing before it wants a gradient: a leaf of its own
+            out.requires_grad_()
+        layer = self.layer
+
+        def hook(g: torch.Tensor) -> None:
+            pending.entries.append(Entry(rule, targets, kept, meta, g, layer))
+
+        out.register_hook(hook)
+        return out
 
 
 def install(root: nn.Module) -> list[nn.Module]:
@@ -400,48 +371,41 @@ def _modules_outside_compiled(root: nn.Module) -> Iterator[nn.Module]:
 # --- the built-in rules ----------------------------------------------------------
 
 
-def _fp32_if_autocast_does(probe: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-                           ) -> torch.dtype | None:
-    """float32 where autocast runs ``probe`` in float32 on ``x``'s device
-    (norms on CUDA), None where it leaves the inputs be (norms on CPU).
-    Asked once per device type and dtypes, on a one-row input."""
-    kind, low = x.device.type, torch.get_autocast_dtype(x.device.type)
-    key = (probe, kind, low, x.dtype)
-    if key not in _FP32:
-        tiny = torch.zeros((1, x.shape[-1]), dtype=low, device=x.device)
-        _FP32[key] = torch.float32 if probe(tiny).dtype == torch.float32 else None
-    return _FP32[key]
-
-
-_FP32: dict[tuple, torch.dtype | None] = {}
+def _amp_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype active for ``x``'s device, or None."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class LinearRule(WeightRule):
-    """``y = x Wᵀ + b`` over any leading dimensions: I ``g W``, W ``gᵀ x``, ``Σ g``."""
+    """``y = x Wᵀ + b`` over any leading dimensions: W ``gᵀ x`` and ``Σ g``.
+
+    Under autocast the input is cast first, as autocast casts it (linear is
+    on its lower-precision list), so W keeps the copy autograd would keep.
+    """
 
     def params(self, m):
         return (m.weight, m.bias)
 
-    def autocast_dtype(self, m, x, params):
-        return torch.get_autocast_dtype(x.device.type)  # linear is on autocast's lower-precision list
+    def forward(self, m, x, detached):
+        low = _amp_dtype(x)
+        if low is not None and x.dtype != low and x.is_floating_point():
+            x = x.to(low)
+        return F.linear(x, *detached), (x.detach().reshape(-1, x.shape[-1]),), None
 
-    def forward(self, m, x, params):
-        w, b = params
-        return F.linear(x, w, b), (x.reshape(-1, x.shape[-1]), w), None
-
-    def input_grad(self, saved, meta, g):
-        return g.matmul(saved[1])
-
-    def weight_grads(self, saved, meta, targets, g):
+    def weight_grads(self, kept, meta, targets, g):
         g2 = g.reshape(-1, g.shape[-1])
         pw, pb = targets
-        return (torch.mm(g2.t(), saved[0]) if pw is not None else None,
+        return (torch.mm(g2.t(), kept[0]) if pw is not None else None,
                 g2.sum(0) if pb is not None else None)
 
-    def rows(self, saved, meta):
-        return saved[0].shape[0]
+    def rows(self, kept, meta):
+        return kept[0].shape[0]
 
     def gather(self, entries):
+        if len(entries) == 1:
+            e = entries[0]
+            return _linear_grads(e.params, e.g.reshape(-1, e.g.shape[-1]), e.saved[0])
         g = torch.cat([e.g.reshape(-1, e.g.shape[-1]) for e in entries])
         return _linear_grads(entries[0].params, g, torch.cat([e.saved[0] for e in entries]))
 
@@ -461,77 +425,62 @@ def _linear_grads(targets, g2: torch.Tensor, x2: torch.Tensor):
     return gw, (g2.sum(0) if pb is not None else None)
 
 
+def _norm_input(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The input a norm computed on: autocast may run norms in float32
+    (CUDA) or leave a low-precision input as it is (CPU); the output's
+    gradient has the dtype of that computation."""
+    return x.to(g.dtype) if g.dtype != x.dtype and g.dtype == torch.float32 else x
+
+
 class LayerNormRule(WeightRule):
-    """``nn.LayerNorm``: ATen's own backward, the input part in I, the
-    weight and bias parts in W (from the saved mean and rstd)."""
+    """``nn.LayerNorm``: W recomputes the statistics (one pass over the
+    input) and runs ATen's own backward for the weight and bias only."""
 
     def params(self, m):
         return (m.weight, m.bias)
 
-    def autocast_dtype(self, m, x, params):
-        shape, eps = m.normalized_shape, m.eps
-        return _fp32_if_autocast_does(lambda t: F.layer_norm(t, shape, None, None, eps), x)
+    def forward(self, m, x, detached):
+        w, b = detached
+        out = F.layer_norm(x, m.normalized_shape, w, b, m.eps)
+        return out, (x.detach(),), (tuple(m.normalized_shape), m.eps, w, b)
 
-    def forward(self, m, x, params):
-        w, b = params
-        out, mean, rstd = torch.native_layer_norm(x, m.normalized_shape, w, b, m.eps)
-        return out, (x, mean, rstd, w, b), tuple(m.normalized_shape)
-
-    def input_grad(self, saved, meta, g):
-        x, mean, rstd, w, b = saved
-        return _aten.native_layer_norm_backward(g, x, meta, mean, rstd, w, b,
-                                                [True, False, False])[0]
-
-    def weight_grads(self, saved, meta, targets, g):
-        x, mean, rstd, w, b = saved
+    def weight_grads(self, kept, meta, targets, g):
+        shape, eps, w, b = meta
+        x = _norm_input(kept[0], g)
+        if w is not None and w.dtype != x.dtype and x.dtype == torch.float32:
+            w, b = w.float(), (b.float() if b is not None else None)
+        _, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
         pw, pb = targets
         _, gw, gb = _aten.native_layer_norm_backward(
-            g, x, meta, mean, rstd, w, b, [False, pw is not None, pb is not None])
+            g, x, shape, mean, rstd, w, b, [False, pw is not None, pb is not None])
         return gw, gb
 
 
 class RMSNormRule(WeightRule):
-    """``nn.RMSNorm``: ``y = x · rstd · w``, ``rstd = 1/sqrt(mean(x²) + eps)``
-    over the normalized dimensions, computed in float32 at least."""
+    """``nn.RMSNorm``: W is ``Σ g · x̂`` with ``x̂ = x · rstd`` recomputed."""
 
     def params(self, m):
         return (m.weight,)
 
-    def autocast_dtype(self, m, x, params):
-        shape, eps = m.normalized_shape, m.eps
-        return _fp32_if_autocast_does(lambda t: F.rms_norm(t, shape, None, eps), x)
+    def forward(self, m, x, detached):
+        out = F.rms_norm(x, m.normalized_shape, detached[0], m.eps)
+        return out, (x.detach(),), (len(m.normalized_shape), m.eps)
 
-    def forward(self, m, x, params):
-        (w,) = params
-        dims = tuple(range(-len(m.normalized_shape), 0))
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        eps = m.eps if m.eps is not None else torch.finfo(x.dtype).eps
-        rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
-        out = (xf * rstd).to(x.dtype)
-        if w is not None:
-            out = (out * w).to(x.dtype)
-        return out, (x, rstd, w) if w is not None else (x, rstd), dims
-
-    def input_grad(self, saved, meta, g):
-        x, rstd = saved[0], saved[1]
-        gw = g.to(rstd.dtype) if len(saved) == 2 else (g * saved[2]).to(rstd.dtype)
-        xhat = x.to(rstd.dtype) * rstd
-        n = 1
-        for d in meta:
-            n *= x.shape[d]
-        return rstd * (gw - xhat * (gw * xhat).sum(meta, keepdim=True) / n)
-
-    def weight_grads(self, saved, meta, targets, g):
+    def weight_grads(self, kept, meta, targets, g):
         if targets[0] is None:
             return (None,)
-        x, rstd = saved[0], saved[1]
-        xhat = (x.to(rstd.dtype) * rstd).to(x.dtype)
-        return ((g * xhat).sum(tuple(range(g.dim() - len(meta)))),)
+        dims, eps = meta
+        x = _norm_input(kept[0], g)
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        reduce = tuple(range(-dims, 0))
+        eps = eps if eps is not None else torch.finfo(x.dtype).eps
+        xhat = (xf * torch.rsqrt(xf.pow(2).mean(reduce, keepdim=True) + eps)).to(x.dtype)
+        return ((g * xhat).sum(tuple(range(g.dim() - dims))),)
 
 
 class EmbeddingRule(WeightRule):
-    """``nn.Embedding`` (dense, no ``max_norm``): nothing in I (ids have no
-    gradient), the scatter-add of ``g`` into the table's rows in W."""
+    """``nn.Embedding`` (dense, no ``max_norm``): W scatter-adds ``g`` into
+    the table's rows (ATen's own backward)."""
 
     def params(self, m):
         return (m.weight,)
@@ -539,17 +488,14 @@ class EmbeddingRule(WeightRule):
     def accepts(self, m):
         return m.max_norm is None and not m.sparse
 
-    def forward(self, m, ids, params):
-        out = F.embedding(ids, params[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False)
+    def forward(self, m, ids, detached):
+        out = F.embedding(ids, detached[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False)
         pad = m.padding_idx if m.padding_idx is not None else -1
-        return out, (ids,), (params[0].shape[0], pad, m.scale_grad_by_freq)
+        return out, (ids.detach(),), (detached[0].shape[0], pad, m.scale_grad_by_freq)
 
-    def input_grad(self, saved, meta, g):
-        return None
-
-    def weight_grads(self, saved, meta, targets, g):
+    def weight_grads(self, kept, meta, targets, g):
         num, pad, freq = meta
-        return (_aten.embedding_dense_backward(g, saved[0], num, pad, freq),)
+        return (_aten.embedding_dense_backward(g, kept[0], num, pad, freq),)
 
 
 register_weight_rule(nn.Linear, LinearRule())

@@ -34,7 +34,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime import deferred
-from fastpipe.runtime._backward import backward_full, backward_fused
+from fastpipe.runtime._backward import backward_full
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.chain import Chain, ChainWork
 from fastpipe.runtime.chain import enabled as chains_enabled
@@ -236,9 +236,10 @@ class RankExecutor:
         # A known loss after a chain stage is computed with its gradient, no graph.
         last = self.schedule.stages - 1
         self._known_loss = known_loss(loss_fn) if train and last in self._chains else None
-        # A split schedule (I and W actions): the other stages' layers defer
-        # their weight gradients to W (``fastpipe.runtime.deferred``).
-        self._split = train and any(a.kind is Kind.W for a in self.actions)
+        # A split schedule (I and W actions), or fused_wgrad: the other
+        # stages' layers defer their weight gradients to W, or to the end of
+        # B (``fastpipe.runtime.deferred``).
+        self._split = train and (self.fused_wgrad or any(a.kind is Kind.W for a in self.actions))
         installed = [deferred.install(st.module) for i, st in self.stages.items()
                      if i not in self._chains] if self._split else []
         self.transport.begin(self.actions)
@@ -645,14 +646,9 @@ class RankExecutor:
                 self._send_b(a)
             self._chain_weight(stage, work)
             return
-        if self.fused_wgrad:
-            grads = backward_fused(saved.roots, saved.grads, saved.leaves, self.stages[a.stage].params)
-            if grads is not None:
-                self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
-                return
         backward_full(saved.roots, saved.grads, self.keep_graphs)
-        if saved.pending is not None:  # B of a split schedule: its W at once
-            deferred.run_weight(saved.pending.entries)
+        if saved.pending is not None:  # its W at once
+            deferred.run_weight(saved.pending.entries, fuse=self.gather_w or self.fused_wgrad)
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
 
     def _backward_input(self, a: Action) -> None:

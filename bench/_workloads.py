@@ -1,0 +1,94 @@
+"""The models the pipelining benchmarks run: a GPT first, then the MLPs.
+
+A workload is a model family and a size: ``gpt`` is the transformer people
+pipeline (``tests.models.gpt``: token and position embedding, pre-LN blocks
+with causal attention through ``scaled_dot_product_attention`` and a GELU
+MLP, final LayerNorm and vocabulary head, next-token cross-entropy); ``mlp``
+is a stack of Linear/GELU/Linear blocks (MSE). Each comes in a
+compute-bound size (arithmetic dominates) and an overhead-bound one
+(per-op framework cost dominates). Every library gets the same layers per
+stage (``balance``), so ratios compare schedules and runtimes, not splits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tests.models import gpt, gpt_batch, lm_loss
+
+MODELS = ["gpt", "mlp"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str  # "gpt" or "mlp"
+    size: str  # "compute" or "overhead"
+    sizes: dict  # the builder's arguments
+    batch: int
+    chunks: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.size}"
+
+    def build(self) -> nn.Sequential:
+        """The model, the same weights every call (seeded)."""
+        if self.model == "gpt":
+            return gpt(dtype=torch.float32, seed=0, **self.sizes)
+        torch.manual_seed(0)
+        width, blocks = self.sizes["width"], self.sizes["blocks"]
+        return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                             nn.Linear(4 * width, width)) for _ in range(blocks)])
+
+    def data(self, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step's input and target."""
+        if self.model == "gpt":
+            return gpt_batch(self.batch, self.sizes["vocab"], self.sizes["seq"], seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        width = self.sizes["width"]
+        return (torch.randn(self.batch, width, generator=g),
+                torch.randn(self.batch, width, generator=g))
+
+    @property
+    def loss_fn(self) -> Callable:
+        return lm_loss if self.model == "gpt" else nn.functional.mse_loss
+
+    def describe(self) -> str:
+        if self.model == "gpt":
+            s = self.sizes
+            return (f"GPT {s['blocks']} blocks d={s['d']} heads={s['heads']} seq={s['seq']} "
+                    f"vocab={s['vocab']}, batch {self.batch}, {self.chunks} microbatches")
+        return (f"{self.sizes['blocks']} MLP blocks d={self.sizes['width']}, batch {self.batch}, "
+                f"{self.chunks} microbatches")
+
+    def sequential_step(self) -> Callable[[], None]:
+        """fwd+bwd of the unsplit model over the same microbatches."""
+        model, (x, y), loss_fn = self.build(), self.data(), self.loss_fn
+
+        def step():
+            for a, b in zip(x.tensor_split(self.chunks), y.tensor_split(self.chunks)):
+                (loss_fn(model(a), b) / self.chunks).backward()
+
+        return step
+
+
+WORKLOADS = {
+    w.name: w for w in (
+        # GPT: 6 blocks + embedding + head = 8 layers (2 per stage on 4 stages).
+        Workload("gpt", "compute", dict(vocab=2048, d=256, heads=4, blocks=6, seq=64), 8, 8),
+        Workload("gpt", "overhead", dict(vocab=256, d=64, heads=2, blocks=6, seq=16), 16, 8),
+        Workload("mlp", "compute", dict(width=512, blocks=8), 64, 8),
+        Workload("mlp", "overhead", dict(width=128, blocks=8), 64, 16),
+    )
+}
+
+
+def selected(args) -> list[Workload]:
+    """The workloads ``--model`` and ``--workload`` ask for, GPT first."""
+    models = MODELS if args.model == "both" else [args.model]
+    sizes = ["compute", "overhead"] if args.workload == "both" else [args.workload]
+    return [WORKLOADS[f"{m}-{s}"] for m in models for s in sizes]
