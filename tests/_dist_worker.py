@@ -51,6 +51,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         fused_wgrad=case.get("fused", False), shm=case.get("shm", False),
                         free_remote=case.get("free_remote", False))
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
+            loss_fn = models.lm_loss if case.get("lm") else nn.functional.mse_loss
             losses, outs, rings, p2p, input_grads = [], [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:
@@ -58,9 +59,9 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 if case.get("input_grad"):  # every rank passes x; stage 0's gets its .grad
                     x = x.clone().requires_grad_()
                 if case.get("amp"):  # the step under CPU bf16 autocast, float32 data
-                    x, y = x.float(), y.float()
+                    x, y = (t.float() if t.is_floating_point() else t for t in (x, y))
                 with _amp(case):
-                    losses.append(pipe.step(x, y, nn.functional.mse_loss))
+                    losses.append(pipe.step(x, y, loss_fn))
                 p2p.append(dict(counts))
                 rings.append(_ring_stats(pipe))
                 with torch.no_grad(), _amp(case):

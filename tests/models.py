@@ -209,6 +209,11 @@ def gpt(vocab: int = 32, d: int = 16, heads: int = 2, blocks: int = 4, seq: int 
                          Head(d, vocab)).to(dtype)
 
 
+def gpt32(seed: int = 0) -> nn.Sequential:
+    """``gpt`` in float32."""
+    return gpt(dtype=torch.float32, seed=seed)
+
+
 def lm_loss(logits, targets):
     """Next-token cross-entropy: logits (batch, seq, vocab), targets (batch, seq)."""
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,225 @@
+"""Deferred weight gradients (fastpipe.runtime.deferred): each rule against autograd.
+
+A forward under ``collecting``, one backward (I: input gradients only),
+then ``run_weight`` (W) must leave the gradients a plain backward leaves:
+bit for bit with ``fuse=False`` (autograd's own rounding), to rounding with
+the fused GEMMs. Layers that cannot defer must fall back, not lose gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from fastpipe import Pipe
+from fastpipe.runtime import deferred
+from tests import models
+
+
+def _split(model: nn.Module, x: torch.Tensor, fuse: bool, seed_grad: torch.Tensor | None = None):
+    """I then W of one microbatch through ``model``; returns the input
+    gradient, the Pending's entry count and what .grad held after I."""
+    layers = deferred.install(model)
+    try:
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            out = model(x)
+        out.backward(seed_grad if seed_grad is not None else torch.ones_like(out))
+        after_i = {n: p.grad is not None for n, p in model.named_parameters()}
+        count = len(pending.entries)
+        deferred.run_weight(pending.entries, fuse=fuse)
+    finally:
+        deferred.uninstall(layers)
+    return x.grad, count, after_i
+
+
+LAYERS = {
+    "linear-2d": (lambda: nn.Linear(7, 5), (3, 7)),
+    "linear-3d-no-bias": (lambda: nn.Linear(7, 5, bias=False), (2, 3, 7)),
+    "layernorm": (lambda: nn.LayerNorm(7), (2, 3, 7)),
+    "layernorm-no-bias": (lambda: nn.LayerNorm(7, bias=False), (4, 7)),
+    "rmsnorm": (lambda: nn.RMSNorm(7), (2, 3, 7)),
+}
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rule_matches_autograd(name, fuse):
+    build, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = nn.Sequential(build(), nn.Tanh()).double()
+    ref = copy.deepcopy(layer)
+    for step in range(2):  # into a missing .grad, then into an existing one
+        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(shape[:-1] + (layer[0](x).shape[-1],), dtype=torch.float64)
+        gx, count, after_i = _split(layer, x, fuse, g)
+        assert count == 1  # the layer deferred
+        assert step or not any(after_i.values())  # and I left its .grad alone
+        xr = x.detach().clone().requires_grad_()
+        ref(xr).backward(g)
+        torch.testing.assert_close(gx, xr.grad, rtol=0, atol=0)
+    exact = {"rtol": 0, "atol": 0} if not fuse or "linear" not in name else {}
+    for (n, p), q in zip(layer.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n, **exact)
+
+
+def test_embedding_rule_with_padding_and_frequency_scaling():
+    torch.manual_seed(0)
+    for kwargs in ({}, {"padding_idx": 2}, {"scale_grad_by_freq": True}):
+        emb = nn.Embedding(9, 4, **kwargs).double()
+        ref = copy.deepcopy(emb)
+        ids = torch.tensor([[1, 2, 2, 5], [2, 8, 1, 0]])
+        layers = deferred.install(emb)
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            out = emb(ids)
+        out.pow(2).sum().backward()
+        assert emb.weight.grad is None and len(pending.entries) == 1  # all of it is W's
+        deferred.run_weight(pending.entries)
+        deferred.uninstall(layers)
+        ref(ids).pow(2).sum().backward()
+        torch.testing.assert_close(emb.weight.grad, ref.weight.grad, rtol=0, atol=0)
+
+
+def test_frozen_parameters_and_hooks_keep_autograd():
+    """A frozen weight gets nothing; a watched weight's layer takes the plain
+    path (its hook runs, in I); the rest defers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)).double()
+    model[0].weight.requires_grad_(False)
+    seen = []
+    model[2].weight.register_hook(lambda g: seen.append(g))
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    _, count, after_i = _split(model, x, fuse=False)
+    assert count == 2  # model[0] (its bias) and model[3]; model[2] kept autograd
+    assert after_i["2.weight"] and after_i["2.bias"] and not after_i["3.weight"]
+    assert len(seen) == 1 and model[0].weight.grad is None
+    ref(x.detach().requires_grad_()).backward(torch.ones(3, 2, dtype=torch.float64))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+class Scale(nn.Module):
+    """``x * w``: a user's layer with a weight."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ScaleRule(deferred.WeightRule):
+    def params(self, m):
+        return (m.weight,)
+
+    def forward(self, m, x, detached):
+        return x * detached[0], (x.detach(),), None
+
+    def weight_grads(self, kept, meta, targets, g):
+        return ((g * kept[0]).sum(0),)
+
+
+def test_a_registered_rule_defers_a_users_layer(monkeypatch):
+    monkeypatch.setattr(deferred, "_RULES", dict(deferred._RULES))
+    deferred.register_weight_rule(Scale, ScaleRule())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), Scale(3)).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    _, count, after_i = _split(model, x, fuse=True)
+    assert count == 2 and not any(after_i.values())
+    ref(x.detach().requires_grad_()).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_registration_refuses_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module subclass, got 3"):
+        deferred.register_weight_rule(3, ScaleRule())
+    with pytest.raises(TypeError, match="WeightRule, got str"):
+        deferred.register_weight_rule(Scale, "rule")
+
+
+def test_install_skips_compiled_modules_and_users_forward():
+    inner = nn.Linear(2, 2)
+    compiled = torch.compile(nn.Sequential(inner))
+    own = nn.Linear(2, 2)
+    own.forward = lambda x: x  # the user's own forward on the instance
+    plain = nn.Linear(2, 2)
+    root = nn.Sequential(compiled, own, plain)
+    layers = deferred.install(root)
+    assert layers == [plain]
+    assert "forward" not in inner.__dict__
+    twice = deferred.install(root)  # a second stage over the same layer
+    deferred.uninstall(layers)
+    assert "forward" in plain.__dict__  # still used by the second
+    deferred.uninstall(twice)
+    assert "forward" not in plain.__dict__ and own.forward(5) == 5
+
+
+def test_waiting_work_owns_what_the_executor_hands_back():
+    """Gathered W waits past its action: what it reads from a received
+    buffer is cloned, so the buffer's next use changes nothing."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64).double()  # limit: 32 rows wait
+    ref = copy.deepcopy(lin)
+    queue = deferred.WeightQueue()
+    layers = deferred.install(lin)
+    buffers = [torch.randn(4, 64, dtype=torch.float64) for _ in range(3)]
+    for buf in buffers:
+        x = buf.requires_grad_(False)  # the stage input: a view of a received buffer
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            out = lin(x)
+        g = torch.randn_like(out)
+        out.backward(g)
+        pending.borrowed = {x.untyped_storage().data_ptr(), g.untyped_storage().data_ptr()}
+        queue.add(pending)
+        ref(x.clone()).backward(g.clone())
+        x.fill_(7.0)  # handed back and reused
+        g.fill_(-3.0)
+    assert queue.waiting and lin.weight.grad is None  # all three wait
+    queue.flush()
+    deferred.uninstall(layers)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+
+
+def test_split_schedule_defers_and_leaves_no_cycles():
+    """zbv on the GPT: W runs the deferred entries (none is left for .grad
+    in I), and nothing of the step survives it in a reference cycle."""
+    model = models.gpt()
+    ids, tg = models.gpt_batch(8)
+    ran = []
+    real = deferred.run_weight
+
+    def counted(entries, fuse=True):
+        ran.append(len(entries))
+        return real(entries, fuse)
+
+    deferred.run_weight = counted
+    try:
+        pipe = Pipe(model, chunks=4, schedule="zbv", devices=["cpu", "cpu"], stages_per_rank=2,
+                    balance=[2, 1, 1, 2])
+        gc.collect()
+        gc.disable()
+        try:
+            pipe.step(ids, tg, models.lm_loss)
+            assert gc.collect() == 0
+        finally:
+            gc.enable()
+        pipe.close()
+    finally:
+        deferred.run_weight = real
+    assert sum(ran) > 0
+    assert all("forward" not in m.__dict__ for m in model.modules())  # uninstalled after the step
