@@ -44,6 +44,7 @@ def measure(build: Callable[[], nn.Module], shape: tuple[int, ...], repeats: int
     amp = torch.autocast(device, dtype=torch.bfloat16, enabled=bf16)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     layers = deferred.install(stage)
+    params = list(stage.parameters())
     b_times, i_times, w_times = [], [], []
     try:
         for _ in range(repeats):
@@ -61,7 +62,7 @@ def measure(build: Callable[[], nn.Module], shape: tuple[int, ...], repeats: int
                 y = stage(xi)
             sync()
             t0 = time.perf_counter()
-            y.backward(g.to(y.dtype))
+            deferred.backward_input([y], [g.to(y.dtype)], [xi], params, pending)
             sync()
             t1 = time.perf_counter()
             deferred.run_weight(pending.entries)

@@ -28,13 +28,14 @@ def _split(model: nn.Module, x: torch.Tensor, fuse: bool, seed_grad: torch.Tenso
         pending = deferred.Pending()
         with deferred.collecting(pending):
             out = model(x)
-        out.backward(seed_grad if seed_grad is not None else torch.ones_like(out))
+        g = seed_grad if seed_grad is not None else torch.ones_like(out)
+        (gx,) = deferred.backward_input([out], [g], [x], list(model.parameters()), pending)
         after_i = {n: p.grad is not None for n, p in model.named_parameters()}
         count = len(pending.entries)
         deferred.run_weight(pending.entries, fuse=fuse)
     finally:
         deferred.uninstall(layers)
-    return x.grad, count, after_i
+    return gx, count, after_i
 
 
 LAYERS = {
@@ -77,7 +78,8 @@ def test_embedding_rule_with_padding_and_frequency_scaling():
         pending = deferred.Pending()
         with deferred.collecting(pending):
             out = emb(ids)
-        out.pow(2).sum().backward()
+        loss = out.pow(2).sum()
+        deferred.backward_input([loss], [None], [ids], [emb.weight], pending)
         assert emb.weight.grad is None and len(pending.entries) == 1  # all of it is W's
         deferred.run_weight(pending.entries)
         deferred.uninstall(layers)
@@ -182,7 +184,7 @@ def test_waiting_work_owns_what_the_executor_hands_back():
         with deferred.collecting(pending):
             out = lin(x)
         g = torch.randn_like(out)
-        out.backward(g)
+        deferred.backward_input([out], [g], [x], list(lin.parameters()), pending)
         pending.borrowed = {x.untyped_storage().data_ptr(), g.untyped_storage().data_ptr()}
         queue.add(pending)
         ref(x.clone()).backward(g.clone())

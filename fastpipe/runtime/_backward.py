@@ -113,11 +113,11 @@ def backward_full(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
     # handling is a dozen small ops, and each op hands the GIL over when
     # another rank's thread wants it (next to a forward on another thread,
     # that wrapper made the forward 2.5x slower).
-    _run_backward(tuple(roots), _filled(roots, grads), keep_graph, False, (),
+    _run_backward(tuple(roots), filled(roots, grads), keep_graph, False, (),
                   allow_unreachable=True, accumulate_grad=True)
 
 
-def _filled(roots: Sequence[Root], grads: Sequence[torch.Tensor | None]) -> tuple:
+def filled(roots: Sequence[Root], grads: Sequence[torch.Tensor | None]) -> tuple:
     """The gradients to start from: None (a loss's) is 1, as in ``Tensor.backward()``."""
     return tuple(torch.ones_like(r) if g is None else g for r, g in zip(roots, grads))
 
@@ -297,7 +297,7 @@ def _input_grads(roots, grads, inputs, extra: Sequence[GradientEdge] = ()
     if not wanted and not extra:
         return out, ()
     got = _run_backward(  # what autograd.grad calls (see backward_full)
-        tuple(roots), _filled(roots, grads),
+        tuple(roots), filled(roots, grads),
         True,  # W still needs the saved tensors
         False, tuple(inputs[i] for i in wanted) + tuple(extra), allow_unreachable=True,
         accumulate_grad=False,
@@ -593,7 +593,7 @@ def backward_fused(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
         return None
     wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
     edges = [GradientEdge(lin.node, 0) for lin in linears] + [GradientEdge(leaf, 0) for leaf in others]
-    got = _run_backward(tuple(roots), _filled(roots, grads), True, False,
+    got = _run_backward(tuple(roots), filled(roots, grads), True, False,
                         tuple(inputs[i] for i in wanted) + tuple(edges),
                         allow_unreachable=True, accumulate_grad=False)
     out: list[torch.Tensor | None] = [None] * len(inputs)
@@ -621,3 +621,4 @@ def _public_run_backward(edges, grads, keep_graph, create_graph, inputs, allow_u
 # torch.autograd.backward's own engine entry (keeps its TLS context and
 # logging hooks); the public call where a torch version lacks it.
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", _public_run_backward)
+run_backward = _run_backward

@@ -54,6 +54,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from fastpipe.runtime._backward import Root, backward_full, filled, run_backward
 
 _aten = torch.ops.aten
 
@@ -136,7 +139,7 @@ class Entry:
     params: tuple[torch.Tensor | None, ...]
     saved: tuple[torch.Tensor, ...]
     meta: Any
-    g: torch.Tensor
+    g: torch.Tensor | None  # the output's gradient, once I has run
     layer: int  # id of the module: entries of one layer gather together
 
     @property
@@ -146,9 +149,12 @@ class Entry:
 
 @dataclass
 class Pending:
-    """The entries one microbatch's I left for its W, in the order I made them."""
+    """One microbatch's deferred layers: an entry per call, made by the
+    forward; ``backward_input`` fills in each entry's output gradient."""
 
     entries: list[Entry] = field(default_factory=list)
+    # The graph edge of each entry's output, where I captures its gradient.
+    edges: list[GradientEdge] = field(default_factory=list)
     # Storages (data pointers) of tensors the executor may hand back after
     # W (received buffers): an entry reading one is cloned before it waits.
     borrowed: set[int] = field(default_factory=set)
@@ -157,6 +163,48 @@ class Pending:
     def grad_bytes(self) -> int:
         """Bytes of the output gradients kept for W (what I adds to memory)."""
         return sum(e.g.numel() * e.g.element_size() for e in self.entries)
+
+
+def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
+                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                   pending: Pending | None, keep_graph: bool = False
+                   ) -> list[torch.Tensor | None]:
+    """I: one engine call from ``roots`` that returns the gradients of
+    ``inputs`` (None where one needs none), captures each deferred layer's
+    output gradient into its entry, and accumulates into ``.grad`` whatever
+    reached ``params`` through autograd (their layers did not defer, or a
+    weight is also used outside its layer).
+
+    Everything is asked of the engine as extra outputs, so nothing of
+    fastpipe's runs inside it: on threads of one interpreter (local mode)
+    a Python hook there would wait for the other ranks' GIL. ``pending``
+    None (nothing deferred): a plain backward. ``keep_graph`` as in
+    ``_backward.backward_full``.
+    """
+    if pending is None or not pending.entries:
+        backward_full(roots, grads, keep_graph)
+        return [t.grad if t.requires_grad else None for t in inputs]
+    wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
+    trained = [p for p in params if p.requires_grad]
+    got = run_backward(tuple(roots), filled(roots, grads), keep_graph, False,
+                       tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges),
+                       allow_unreachable=True, accumulate_grad=False)
+    out: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, g in zip(wanted, got):
+        out[i] = g
+    n = len(wanted)
+    with torch.no_grad():
+        for p, g in zip(trained, got[n:n + len(trained)]):
+            if g is not None:
+                # A copy where .grad is new: the engine's result may be a
+                # received buffer or another tensor's gradient.
+                accumulate(p, g if p.grad is not None else g.clone())
+    entries = pending.entries
+    pending.entries = [e for e, g in zip(entries, got[n + len(trained):]) if g is not None]
+    for e, g in zip(entries, got[n + len(trained):]):
+        e.g = g
+    pending.edges = []
+    return out
 
 
 def accumulate(p: torch.Tensor, fresh: torch.Tensor) -> None:
@@ -319,12 +367,8 @@ class _Forward:
                                                         for p in params))
         if not out.requires_grad:  # nothing before it wants a gradient: a leaf of its own
             out.requires_grad_()
-        layer = self.layer
-
-        def hook(g: torch.Tensor) -> None:
-            pending.entries.append(Entry(rule, targets, kept, meta, g, layer))
-
-        out.register_hook(hook)
+        pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer))
+        pending.edges.append(get_gradient_edge(out))
         return out
 
 

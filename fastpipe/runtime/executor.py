@@ -646,10 +646,11 @@ class RankExecutor:
                 self._send_b(a)
             self._chain_weight(stage, work)
             return
-        backward_full(saved.roots, saved.grads, self.keep_graphs)
+        grads = deferred.backward_input(saved.roots, saved.grads, saved.leaves,
+                                        self.stages[a.stage].params, saved.pending, self.keep_graphs)
         if saved.pending is not None:  # its W at once
             deferred.run_weight(saved.pending.entries, fuse=self.gather_w or self.fused_wgrad)
-        self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
+        self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
 
     def _backward_input(self, a: Action) -> None:
         """I: one plain backward over the stage; the layers with a weight
@@ -661,7 +662,8 @@ class RankExecutor:
         if saved.chain is not None:
             self._weights[key] = self._chain_input(a, saved)
             return
-        backward_full(saved.roots, saved.grads, self.keep_graphs)
+        grads = deferred.backward_input(saved.roots, saved.grads, saved.leaves,
+                                        self.stages[a.stage].params, saved.pending, self.keep_graphs)
         pending = saved.pending if saved.pending is not None else deferred.Pending()
         # What W reads that may be a view of a received buffer, handed back
         # after W: cloned if W's work waits beyond it (``WeightQueue.add``).
@@ -669,7 +671,7 @@ class RankExecutor:
                             if isinstance(t, torch.Tensor)}
         self._hold(pending.grad_bytes)
         self._weights[key] = pending
-        self._send_input_grads(a.stage, a.microbatch, saved.leaves, [t.grad for t in saved.leaves])
+        self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
 
     def _backward_weight(self, a: Action) -> None:
         work, stage = self._weights.pop((a.stage, a.microbatch)), self.stages[a.stage]

@@ -15,8 +15,14 @@ The layout is small, hashable, comparable (a shape change shows as an
 unequal layout) and serializes to a few bytes (``to_bytes``/``from_bytes``):
 it is what a receiver needs to read the buffer.
 
-CUDA tensors are packed by one Triton launch (``fastpipe.kernels.pack``);
-contiguous CPU tensors by one native memcpy pass with the GIL released, the
+CUDA tensors are packed by one Triton launch (``fastpipe.kernels.pack``)
+whose work is the buffer cut into equal tiles, so it streams at copy speed
+whether the message holds one tensor or hundreds; the kernel's tables
+depend on the layout alone, so each layout builds them once
+(``Layout._kernel_plan``) and a call costs one launch, with no wait for the
+device. Unpacking with a wire dtype is one launch the same way, into one
+fresh buffer that the returned tensors are slices of. Contiguous CPU
+tensors are packed by one native memcpy pass with the GIL released, the
 rest (non-contiguous, cast) with ``torch._foreach_copy_`` into views.
 """
 
@@ -28,10 +34,14 @@ import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from fastpipe.kernels import _dispatch
+
+if TYPE_CHECKING:
+    from fastpipe.kernels.pack import TilePlan
 
 ALIGN = 16
 WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -132,6 +142,35 @@ class Layout:
         return tuple(i for i, s in enumerate(self.slots) if s.wire is not None)
 
     @functools.cached_property
+    def _kernel_plan(self) -> _KernelPlan:
+        """How the Triton kernels move this layout's slots (CUDA buffers):
+        the tables are the same for every buffer and every call, so they are
+        built once, here, and kept on the device by ``TilePlan``."""
+        from fastpipe.kernels.pack import COPY, FLOAT_CODES, TilePlan
+
+        packed, rows, by_torch = [], [], []
+        for i, s in enumerate(self.slots):
+            if s.wire is not None and not _kernel_casts(s):
+                by_torch.append(i)
+            elif s.numel:
+                packed.append(i)
+                rows.append((s.offset, s.numel, FLOAT_CODES[s.dtype]) if s.wire else (s.offset, s.nbytes, COPY))
+        # Unpack decodes into one fresh buffer laid out like a layout of its own.
+        decoded = tuple(i for i in self._cast if _kernel_casts(self.slots[i]))
+        out_slots, offset = [], 0
+        for i in decoded:
+            s = self.slots[i]
+            out_slots.append(Slot(s.dtype, s.shape, offset))
+            offset += aligned(s.numel * s.dtype.itemsize)
+        out = Layout(tuple(out_slots), offset)
+        wire = next((s.wire for s in self.slots if s.wire is not None), None)
+        moved = [(i, o) for i, o in zip(decoded, out.slots) if o.numel]
+        unpack = TilePlan([(self.slots[i].offset, o.numel, FLOAT_CODES[o.dtype]) for i, o in moved], wire,
+                          offsets=[o.offset for _, o in moved])
+        return _KernelPlan(tuple(packed), len(packed) == len(self.slots), tuple(by_torch),
+                           TilePlan(rows, wire), decoded, out, unpack)
+
+    @functools.cached_property
     def _splits(self) -> tuple[bool, list[tuple[torch.dtype, list[int], tuple[int, ...],
                                               operator.itemgetter | None]],
                                tuple[tuple[int, tuple[int, ...]], ...]]:
@@ -196,6 +235,18 @@ class Layout:
             slots.append(Slot(DTYPES[dtype], tuple(shape), offset,
                               None if wire == _NO_WIRE else DTYPES[wire]))
         return cls(tuple(slots), nbytes), pos
+
+
+class _KernelPlan(NamedTuple):
+    """A layout's work for the Triton kernels (``Layout._kernel_plan``)."""
+
+    packed: tuple[int, ...]  # the slots the pack kernel moves (not empty, not cast by torch)
+    every: bool  # packed is every slot, in order
+    by_torch: tuple[int, ...]  # cast slots the kernels do not cast (fp64): torch's copy_ / .to()
+    pack: TilePlan
+    decoded: tuple[int, ...]  # the cast slots the unpack kernel decodes
+    out: Layout  # where the decoded slots lie in the unpack's output buffer
+    unpack: TilePlan
 
 
 _META = operator.attrgetter("dtype", "shape")
@@ -272,6 +323,7 @@ def _triton_for(flat: torch.Tensor, on_cpu: bool) -> bool:
 _IS_CPU = operator.attrgetter("is_cpu")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _DATA_PTR = torch.Tensor.data_ptr
+_GET_DEVICE = torch.Tensor.get_device
 
 
 @functools.cache
@@ -336,20 +388,7 @@ def pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layou
     if on_cpu is None:
         on_cpu = flat.is_cpu and all(map(_IS_CPU, tensors))
     if _triton_for(flat, on_cpu):
-        from fastpipe.kernels.pack import pack_triton
-
-        srcs, dests, casts = [], [], []
-        for t, slot in zip(tensors, layout.slots):
-            if slot.wire is not None and not _kernel_casts(slot):
-                _view(flat, slot).copy_(t.detach())
-                continue
-            # A tensor elsewhere (the host, another GPU) is brought over first:
-            # the kernel reads through raw pointers on flat's device.
-            srcs.append(t.detach().to(flat.device).contiguous())
-            dests.append(flat.data_ptr() + slot.offset)
-            casts.append(slot.wire is not None)
-        wires = {s.wire for s in layout.slots if s.wire is not None}
-        pack_triton(srcs, dests, casts, wires.pop() if wires else None, flat.device)
+        _pack_by_kernel(flat, tensors, layout)
         return
     # Contiguous, uncast CPU tensors: one native memcpy pass (GIL released).
     # The rest through torch: copy_ casts with round-to-nearest-even like .to().
@@ -377,7 +416,8 @@ def pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layou
 
 def unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     """The tensors of a packed buffer: views into ``flat`` where no wire dtype was
-    used, fresh tensors of the original dtype where one was.
+    used, fresh tensors of the original dtype where one was (on the Triton
+    path, slices of one fresh buffer, which lives while any of them does).
 
     The views share ``flat``'s memory (writing to one writes the buffer) but
     autograd does not track them as views of it (their ``_base`` is not
@@ -391,24 +431,48 @@ def unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
             f"flat must be a uint8 tensor of at least {layout.nbytes} bytes, got {flat.dtype} "
             f"with {flat.numel()} elements"
         )
-    out = _views(flat, layout)
-    cast = layout._cast
-    if not cast:
-        return out
+    if not layout._cast:
+        return _views(flat, layout)
     if _triton_for(flat, flat.is_cpu):
-        from fastpipe.kernels.pack import unpack_triton
+        return _unpack_by_kernel(flat, layout)
+    out = _views(flat, layout)
+    for i in layout._cast:
+        out[i] = out[i].to(layout.slots[i].dtype)
+    return out
 
-        by_kernel = [i for i in cast if _kernel_casts(layout.slots[i])]
-        dests = [torch.empty(layout.slots[i].shape, dtype=layout.slots[i].dtype, device=flat.device)
-                 for i in by_kernel]
-        srcs = [flat.data_ptr() + layout.slots[i].offset for i in by_kernel]
-        if by_kernel:
-            unpack_triton(srcs, dests, layout.slots[by_kernel[0]].wire, flat.device)
-        for i, d in zip(by_kernel, dests):
+
+def _pack_by_kernel(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layout) -> None:
+    """``pack_into`` on the Triton kernel: one launch for every slot but those
+    torch casts (fp64)."""
+    from fastpipe.kernels.pack import pack_triton
+
+    plan = layout._kernel_plan
+    srcs = tensors if plan.every else [tensors[i] for i in plan.packed]
+    index = flat.get_device()
+    if not (all(map(_CONTIGUOUS, srcs)) and all(map(index.__eq__, map(_GET_DEVICE, srcs)))):
+        # A tensor elsewhere (the host, another GPU) or strided is brought
+        # over first: the kernel reads contiguous memory on flat's device.
+        srcs = [t.detach().to(flat.device).contiguous() for t in srcs]
+    for i in plan.by_torch:
+        _view(flat, layout.slots[i]).copy_(tensors[i].detach())
+    pack_triton(flat, list(map(_DATA_PTR, srcs)), plan.pack)
+
+
+def _unpack_by_kernel(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
+    """``unpack`` of a cast layout on the Triton kernel: one launch decodes
+    every kernel-cast slot into one new buffer; the tensors returned are
+    slices of it (not autograd views, like the uncast ones of ``flat``)."""
+    from fastpipe.kernels.pack import unpack_triton
+
+    plan = layout._kernel_plan
+    if plan.decoded:
+        buf = torch.empty(plan.out.nbytes, dtype=torch.uint8, device=flat.device)
+        unpack_triton(flat, buf, plan.unpack)
+    # Built after the launch: on a GPU, the host cuts the views while it runs.
+    out = _views(flat, layout)
+    if plan.decoded:
+        for i, d in zip(plan.decoded, _views(buf, plan.out)):
             out[i] = d
-        for i in set(cast) - set(by_kernel):
-            out[i] = out[i].to(layout.slots[i].dtype)
-        return out
-    for i in cast:
+    for i in plan.by_torch:
         out[i] = out[i].to(layout.slots[i].dtype)
     return out
