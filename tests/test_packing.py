@@ -113,6 +113,84 @@ def test_wire_rounding_edge_cases_in_the_kernel(wire):
         assert _same(_expected(src, wire), got), (src.dtype, wire, got, _expected(src, wire))
 
 
+def _odd_tensors(n: int, seed: int) -> list[torch.Tensor]:
+    """``n`` tensors for the kernel: odd sizes (some empty), mixed dtypes
+    (fp64 is cast by torch, the rest by the kernel), values past fp8's range,
+    strided views, and sources one element off a 16-byte boundary."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.bool,
+              torch.float64, torch.int8]
+    out = []
+    for i in range(n):
+        size = int(torch.randint(0, 300, (), generator=g))
+        t = _make(dtypes[i % len(dtypes)], (size + 1,), False, seed * 1000 + i) * (
+            1 if dtypes[i % len(dtypes)] == torch.bool else 7)
+        t = t[1:] if i % 5 == 4 else t[:size]  # off a 16-byte boundary, or not
+        out.append(t[: size // 2 * 2].view(2, -1).t() if i % 6 == 5 and size >= 2 else t)
+    return out
+
+
+def _round_trip_on_the_kernel(tensors, wire):
+    with backend("triton"):
+        flat, layout = pack(tensors, wire)
+        out = unpack(flat, layout)
+    assert flat.numel() == layout.nbytes
+    for t, o in zip(tensors, out):
+        assert _same(_expected(t, wire).contiguous(), o), (t.dtype, tuple(t.shape), wire)
+    return flat, layout, out
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 131])
+@pytest.mark.parametrize("wire", [None, *WIRE_DTYPES])
+def test_kernel_packs_many_odd_tensors_like_torch(n, wire):
+    _, _, out = _round_trip_on_the_kernel(_odd_tensors(n, n), wire)
+    for o in out:
+        if o.is_floating_point():
+            o.requires_grad_()  # decoded slices, like views of the buffer, are not autograd views
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_kernel_tiles_split_rows_and_their_tails(wire, offset):
+    # Rows several tiles long, ending mid-tile, mid-word and mid-vector;
+    # offset 1 puts every source off a 16-byte boundary (the byte path).
+    from fastpipe.kernels.pack import CAST_BLOCK, TILE
+
+    g = torch.Generator().manual_seed(offset)
+    sizes = [(torch.float32, TILE // 4 * 2 + 3), (torch.uint8, TILE + 5), (torch.float32, CAST_BLOCK * 2 + 1),
+             (torch.bfloat16, CAST_BLOCK + 7), (torch.int16, TILE // 2), (torch.float16, 3 * CAST_BLOCK)]
+    tensors = [(torch.randn(size + offset, generator=g) * 300).to(dtype)[offset:] for dtype, size in sizes]
+    _round_trip_on_the_kernel(tensors, wire)
+
+
+def test_kernel_tiles_follow_the_rows():
+    from fastpipe.kernels.pack import CAST_BLOCK, COPY, TILE, TilePlan
+
+    plan = TilePlan([(0, TILE + 1, COPY), (TILE + 16, 5, 2), (2 * TILE + 32, CAST_BLOCK, 4)], torch.bfloat16)
+    assert (plan.tiles, plan.copies, plan.cast) == (2 + 1 + 1, True, -1)
+    rows, _, tile_row = plan.tables(torch.device("cpu"), None)
+    assert tile_row.tolist() == [0, 0, 1, 2]
+    assert rows.view(-1, 4)[:, 2].tolist() == [0, 2, 3]  # each row's first tile
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        TilePlan([(8, 4, COPY)], None)
+
+
+def test_kernel_tables_are_kept_while_the_addresses_stay():
+    tensors = [torch.randn(100), torch.arange(7), torch.randn(33, dtype=torch.float16)]
+    flat, layout = pack(tensors, torch.float8_e4m3fn)
+    plan = layout._kernel_plan
+    with backend("triton"):
+        for _ in range(3):
+            pack(tensors, torch.float8_e4m3fn, out=flat)
+            unpack(flat, layout)
+        tables, addresses = dict(plan.pack._tables), dict(plan.pack._addresses)
+        assert len(tables) == 1 and len(addresses) == 1 and len(plan.unpack._tables) == 1
+        moved = [t.clone() for t in tensors]  # same layout, new addresses: one more table
+        pack(moved, torch.float8_e4m3fn, out=flat)
+        assert plan.pack._tables == tables and len(plan.pack._addresses) == 2
+        assert all(_same(_expected(t, torch.float8_e4m3fn), o) for t, o in zip(tensors, unpack(flat, layout)))
+
+
 def test_layout_is_small_comparable_and_serializable():
     a = [torch.randn(4, 8), torch.arange(3), torch.ones(2, 2, dtype=torch.bool)]
     layout = Layout.plan(a)

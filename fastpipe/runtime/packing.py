@@ -154,7 +154,8 @@ class Layout:
                 by_torch.append(i)
             elif s.numel:
                 packed.append(i)
-                rows.append((s.offset, s.numel, FLOAT_CODES[s.dtype]) if s.wire else (s.offset, s.nbytes, COPY))
+                rows.append((s.offset, s.numel, FLOAT_CODES[s.dtype]) if s.wire is not None
+                            else (s.offset, s.nbytes, COPY))
         # Unpack decodes into one fresh buffer laid out like a layout of its own.
         decoded = tuple(i for i in self._cast if _kernel_casts(self.slots[i]))
         out_slots, offset = [], 0
@@ -375,7 +376,7 @@ def pack(
                 f"{out.dtype} of shape {tuple(out.shape)}"
             )
         flat = out if out.numel() == layout.nbytes else out[: layout.nbytes]
-    pack_into(flat, tensors, layout, on_cpu=on_cpu and flat.is_cpu)
+    _pack_into(flat, tensors, layout, on_cpu and flat.is_cpu, flat.device == device)
     return flat, layout
 
 
@@ -387,8 +388,15 @@ def pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layou
     are on the CPU (None: check here)."""
     if on_cpu is None:
         on_cpu = flat.is_cpu and all(map(_IS_CPU, tensors))
+    _pack_into(flat, tensors, layout, on_cpu, None)
+
+
+def _pack_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layout, on_cpu: bool,
+               local: bool | None) -> None:
+    """``pack_into``; ``local``: whether every tensor is on ``flat``'s device
+    (None: not known)."""
     if _triton_for(flat, on_cpu):
-        _pack_by_kernel(flat, tensors, layout)
+        _pack_by_kernel(flat, tensors, layout, local)
         return
     # Contiguous, uncast CPU tensors: one native memcpy pass (GIL released).
     # The rest through torch: copy_ casts with round-to-nearest-even like .to().
@@ -441,15 +449,17 @@ def unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return out
 
 
-def _pack_by_kernel(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layout) -> None:
+def _pack_by_kernel(flat: torch.Tensor, tensors: Sequence[torch.Tensor], layout: Layout,
+                    local: bool | None) -> None:
     """``pack_into`` on the Triton kernel: one launch for every slot but those
     torch casts (fp64)."""
     from fastpipe.kernels.pack import pack_triton
 
     plan = layout._kernel_plan
     srcs = tensors if plan.every else [tensors[i] for i in plan.packed]
-    index = flat.get_device()
-    if not (all(map(_CONTIGUOUS, srcs)) and all(map(index.__eq__, map(_GET_DEVICE, srcs)))):
+    if local is None:
+        local = all(map(flat.get_device().__eq__, map(_GET_DEVICE, srcs)))
+    if not (local and all(map(_CONTIGUOUS, srcs))):
         # A tensor elsewhere (the host, another GPU) or strided is brought
         # over first: the kernel reads contiguous memory on flat's device.
         srcs = [t.detach().to(flat.device).contiguous() for t in srcs]
@@ -465,13 +475,17 @@ def _unpack_by_kernel(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     from fastpipe.kernels.pack import unpack_triton
 
     plan = layout._kernel_plan
-    if plan.decoded:
+    if not plan.decoded:
+        out = _views(flat, layout)
+    else:
         buf = torch.empty(plan.out.nbytes, dtype=torch.uint8, device=flat.device)
         unpack_triton(flat, buf, plan.unpack)
-    # Built after the launch: on a GPU, the host cuts the views while it runs.
-    out = _views(flat, layout)
-    if plan.decoded:
-        for i, d in zip(plan.decoded, _views(buf, plan.out)):
+        # Cut after the launch: on a GPU, the host makes the views while it runs.
+        decoded = _views(buf, plan.out)
+        if len(decoded) == len(layout.slots):  # every slot decoded, in order
+            return decoded
+        out = _views(flat, layout)
+        for i, d in zip(plan.decoded, decoded):
             out[i] = d
     for i in plan.by_torch:
         out[i] = out[i].to(layout.slots[i].dtype)
