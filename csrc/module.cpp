@@ -19,7 +19,6 @@ namespace py = pybind11;
 
 namespace fastpipe {
 
-void bind_accumulate(py::module_& m);
 #ifdef FASTPIPE_WITH_CUDA
 void bind_cuda(py::module_& m);
 #endif
@@ -173,7 +172,6 @@ PYBIND11_MODULE(_C, m) {
         "memcpy(dst + offsets[i], srcs[i], sizes[i]) for every i, GIL released (host "
         "addresses of live buffers only; used by fastpipe.pack).");
   m.def("_live_events", &EventState::live, "EventState objects alive (for leak tests).");
-  bind_accumulate(m);
 
 #ifdef FASTPIPE_WITH_CUDA
   m.attr("has_cuda") = true;

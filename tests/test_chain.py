@@ -19,6 +19,7 @@ import fastpipe.pipe as pipe_module
 from fastpipe import Pipe
 from fastpipe._ext import native_chain
 from fastpipe.runtime import chain as chain_module
+from fastpipe.runtime import deferred
 from fastpipe.runtime import executor as executor_module
 from fastpipe.runtime.chain import Chain
 from fastpipe.schedules import build, names
@@ -100,7 +101,7 @@ def test_chain_is_bit_identical_to_autograd(dtype, grads_exist, use_native):
     with pytest.raises(RuntimeError if use_native else IndexError):
         chain.backward_input(saved, g, need_input=True)  # I consumed what F saved
     assert all(p.grad is None for p in native.parameters()) or grads_exist  # nothing before W
-    chain.backward_weight(work, {})
+    deferred.run_weight(work.entries, fuse=False)  # W: autograd's rounding
     for a, b in zip(_grads(eager), _grads(native)):
         assert torch.equal(a, b)
 
@@ -118,7 +119,7 @@ def test_frozen_weights_get_no_gradient_and_the_rest_is_exact(use_native):
     out, saved = chain.forward(x)
     gx, work = chain.backward_input(saved, g, need_input=False)
     assert gx is None
-    chain.backward_weight(work, {})
+    deferred.run_weight(work.entries, fuse=False)
     assert native[0].weight.grad is None and native[4].bias.grad is None
     for a, b in zip(_grads(eager), _grads(native)):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -134,7 +135,7 @@ def test_fused_weight_gradients_match_within_rounding(use_native):
         assert chain.usable(x)
         out, saved = chain.forward(x)
         _, work = chain.backward_input(saved, g, need_input=False)
-        chain.backward_weight(work, {}, fused=True)
+        deferred.run_weight(work.entries, fuse=True)
     for a, b in zip(_grads(eager), _grads(native)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -261,13 +262,14 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
     x, y = torch.randn(12, 12, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
     grads = {}
     gathered = []
-    flush = Chain.flush_weight
+    run = deferred.run_weight
 
-    def counted(self, *args):
-        gathered.append(len(self._pending))
-        flush(self, *args)
+    def counted(entries, fuse=True):  # microbatches gathered: entries of one Linear
+        layers = [e.layer for e in entries]
+        gathered.append(max((layers.count(k) for k in layers), default=0))
+        run(entries, fuse)
 
-    monkeypatch.setattr(Chain, "flush_weight", counted)
+    monkeypatch.setattr(deferred, "run_weight", counted)
     for mode in ("eager", "python", "native"):
         chains(mode, gather=True)
         gathered.clear()
@@ -280,7 +282,7 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
             pipe.step(x, y, nn.functional.mse_loss)
         grads[mode] = _grads(model)
         if mode != "eager":
-            assert all(st.chain.deferred_bytes == 0
+            assert all(not st.weights.waiting and st.weights.nbytes == 0
                        for sts in pipe._stages.values() for st in sts.values())
             assert max(gathered) == 2  # 3 rows each; the 12x6 Linear lets 4 wait
     for a, b in zip(grads["eager"], grads["native"]):
@@ -316,17 +318,21 @@ def test_gathered_w_stacks_microbatches_up_to_the_limit():
     x = torch.randn(2, 8)
     assert chain.usable(x)
     flushed = []
-    real = chain.flush_weight
-    chain.flush_weight = lambda *a: (flushed.append(len(chain._pending)), real(*a))
-    for _ in range(4):
-        _, saved = chain.forward(x)
-        _, work = chain.backward_input(saved, torch.ones(2, 8), need_input=False)
-        work.rows = 2
-        chain.defer_weight(work, {})
-    assert flushed == [3]  # 6 rows: three microbatches, then one left waiting
-    assert chain.deferred_bytes == 2 * (8 + 24 + 24 + 8) * 4
-    chain.flush_weight({})
-    assert chain.deferred_bytes == 0
+    run = deferred.run_weight
+    deferred.run_weight = lambda entries, fuse=True: (flushed.append(len(entries) // 2),
+                                                      run(entries, fuse))
+    queue = deferred.WeightQueue()
+    try:
+        for _ in range(4):
+            _, saved = chain.forward(x)
+            _, work = chain.backward_input(saved, torch.ones(2, 8), need_input=False)
+            queue.add(work)
+        assert flushed == [3]  # 6 rows: three microbatches, then one left waiting
+        assert queue.nbytes == 2 * (8 + 24 + 24 + 8) * 4
+        queue.flush()
+        assert queue.nbytes == 0 and flushed == [3, 1]
+    finally:
+        deferred.run_weight = run
 
 
 @pytest.mark.parametrize("mode", ["python", "native"])
@@ -376,10 +382,10 @@ def test_chain_output_is_freed_once_sent(chains, mode, monkeypatch):
             outputs.append(weakref.ref(out))
         return out, saved
 
-    def check(self, saved, grad, need_input, defer=False):
+    def check(self, saved, grad, need_input):
         if self is first:
             alive_at_backward.append(any(r() is not None for r in outputs))
-        return backward_input(self, saved, grad, need_input, defer)
+        return backward_input(self, saved, grad, need_input)
 
     monkeypatch.setattr(Chain, "forward", keep)
     monkeypatch.setattr(Chain, "backward_input", check)

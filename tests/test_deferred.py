@@ -47,9 +47,22 @@ LAYERS = {
 }
 
 
+@pytest.fixture(params=["native", "python"])
+def w_path(request, monkeypatch):
+    """W through fastpipe._chain (where built), and through the rules' torch ops."""
+    if request.param == "python":
+        monkeypatch.setattr(deferred, "native_chain", lambda: None)
+    elif deferred.native_chain() is None:
+        pytest.skip("fastpipe._chain is not built")
+    return request.param
+
+
 @pytest.mark.parametrize("fuse", [False, True])
-@pytest.mark.parametrize("name", list(LAYERS))
-def test_rule_matches_autograd(name, fuse):
+@pytest.mark.parametrize("name", list(LAYERS) + ["embedding"])
+def test_rule_matches_autograd(name, fuse, w_path):
+    if name == "embedding":
+        _embedding_rule_with_padding_and_frequency_scaling()
+        return
     build, shape = LAYERS[name]
     torch.manual_seed(0)
     layer = nn.Sequential(build(), nn.Tanh()).double()
@@ -68,7 +81,7 @@ def test_rule_matches_autograd(name, fuse):
         torch.testing.assert_close(p.grad, q.grad, msg=n, **exact)
 
 
-def test_embedding_rule_with_padding_and_frequency_scaling():
+def _embedding_rule_with_padding_and_frequency_scaling():
     torch.manual_seed(0)
     for kwargs in ({}, {"padding_idx": 2}, {"scale_grad_by_freq": True}):
         emb = nn.Embedding(9, 4, **kwargs).double()
@@ -169,7 +182,7 @@ def test_install_skips_compiled_modules_and_users_forward():
     assert "forward" not in plain.__dict__ and own.forward(5) == 5
 
 
-def test_waiting_work_owns_what_the_executor_hands_back():
+def test_waiting_work_owns_what_the_executor_hands_back(w_path):
     """Gathered W waits past its action: what it reads from a received
     buffer is cloned, so the buffer's next use changes nothing."""
     torch.manual_seed(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import pytest
@@ -9,12 +10,31 @@ import torch
 from torch import nn
 
 from fastpipe._microbatch import TENSOR, needs_grad
-from fastpipe.runtime._backward import backward_full, backward_input, backward_weight
+from fastpipe.runtime import deferred
+from fastpipe.runtime._backward import backward_full
 from tests.models import mlp, tuple_model
 
 
 def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
+
+
+def _split(model, x, g, keep_graph=False, roots=None):
+    """I then W of one microbatch, as a split schedule runs them
+    (fastpipe.runtime.deferred): returns the input gradients, and what
+    .grad held after I (by parameter name)."""
+    layers = deferred.install(model)
+    try:
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            out = model(x)
+        grads = deferred.backward_input([out] if roots is None else roots, [g], [x],
+                                        list(model.parameters()), pending, keep_graph)
+        after_i = {n: p.grad is not None for n, p in model.named_parameters()}
+        deferred.run_weight(pending.entries)
+    finally:
+        deferred.uninstall(layers)
+    return grads, after_i
 
 
 def test_input_then_weight_equals_full_backward():
@@ -28,62 +48,11 @@ def test_input_then_weight_equals_full_backward():
         out = full(xa)
         backward_full([out], [g])
         xb = x.clone().requires_grad_()
-        out_b = split(xb)
-        grads, work = backward_input([out_b], [g], [xb], list(split.parameters()))
-        # I alone touched no parameter gradient.
-        assert all(p.grad is None for p in split.parameters())
-        backward_weight(work)
+        grads, after_i = _split(split, xb, g)
+        assert not any(after_i.values())  # I alone touched no parameter gradient
         torch.testing.assert_close(grads[0], xa.grad)
         for a, b in zip(_grads(full), _grads(split)):
             torch.testing.assert_close(a, b)
-
-
-def test_weight_gradients_through_the_workspace_are_bit_identical(monkeypatch):
-    """W with a workspace (a reused buffer per weight shape, accumulated by
-    autograd from the AccumulateGrad nodes) gives the same bits as W
-    restarting autograd at each Linear, microbatch after microbatch: Linears
-    with and without bias and on a 3-D input. A weight with a tensor hook,
-    and the first accumulation (no .grad yet), keep the restart; the hook
-    still runs once per microbatch."""
-    def build():
-        torch.manual_seed(3)
-        return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6, bias=False),
-                             nn.Unflatten(1, (2, 3)), nn.Linear(3, 3), nn.Flatten(1),
-                             nn.Linear(6, 3)).double()
-
-    from fastpipe.runtime import _backward
-
-    monkeypatch.setattr(_backward, "_WORKSPACE_MIN_BYTES", 0)  # these weights are tiny
-    torch.manual_seed(4)
-    batches = [(torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
-               for _ in range(3)]
-    results, used = [], []
-    for workspace in (None, {}):
-        model = build()
-        calls = []
-        model[6].weight.register_hook(lambda g: calls.append(1))
-        for x, g in batches:
-            x = x.requires_grad_()
-            grads, work = backward_input([model(x)], [g], [x], list(model.parameters()))
-            backward_weight(work, workspace=workspace)
-        results.append(([p.grad for p in model.parameters()], grads[0]))
-        used.append(sorted(k[0] for k in workspace) if workspace is not None else None)
-        assert len(calls) == len(batches)
-    for a, b in zip(results[0][0], results[1][0]):
-        assert torch.equal(a, b)
-    assert torch.equal(results[0][1], results[1][1])
-    assert used[1] == [(3, 3), (6, 5), (6, 6)]  # not the hooked (3, 6) weight
-
-
-def test_small_weights_keep_the_restart():
-    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-    workspace: dict = {}
-    for _ in range(2):
-        x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
-        _, work = backward_input([model(x)], [torch.ones(4, 3, dtype=torch.float64)], [x],
-                                 list(model.parameters()))
-        backward_weight(work, workspace=workspace)
-    assert workspace == {}
 
 
 def test_first_stage_without_input_grad_runs_all_in_w():
@@ -92,9 +61,8 @@ def test_first_stage_without_input_grad_runs_all_in_w():
     x = torch.randn(4, 5, dtype=torch.float64)
     g = torch.randn(4, 3, dtype=torch.float64)
     backward_full([ref(x)], [g])
-    grads, work = backward_input([model(x)], [g], [x], list(model.parameters()))
-    assert grads == [None]
-    backward_weight(work)
+    grads, after_i = _split(model, x, g)
+    assert grads == [None] and not any(after_i.values())
     for a, b in zip(_grads(ref), _grads(model)):
         torch.testing.assert_close(a, b)
 
@@ -135,9 +103,10 @@ def test_split_backward_through_a_node_whose_second_output_is_unused():
     g = torch.randn(3, 5, dtype=torch.float64)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     backward_full([full(xa)], [g])
-    grads, work = backward_input([split(xb)], [g], [xb], list(split.parameters()))
-    assert all(p.grad is None for p in split.parameters())
-    backward_weight(work)
+    grads, after_i = _split(split, xb, g)
+    # The custom Function's weight has no rule: autograd's, in I; the Linears' wait for W.
+    assert after_i == {"0.weight": False, "0.bias": False, "1.w": True, "2.weight": False,
+                       "2.bias": False}
     torch.testing.assert_close(grads[0], xa.grad)
     for a, b in zip(_grads(full), _grads(split)):
         torch.testing.assert_close(a, b)
@@ -165,21 +134,24 @@ def test_kept_graph_frees_saved_tensors_with_its_roots(split):
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     ref = torch.autograd.grad(model(x).sum(), [x] + list(model.parameters()))
     refs.clear()
-    out = model(x)
+    layers = deferred.install(model) if split else []
+    pending = deferred.Pending()
+    with deferred.collecting(pending) if split else contextlib.nullcontext():
+        out = model(x)
+    deferred.uninstall(layers)
     roots, grads = [torch.autograd.graph.get_gradient_edge(out)], [torch.ones_like(out)]
     del out
     if split:
-        got, work = backward_input(roots, grads, [x], list(model.parameters()), keep_graph=True)
+        got = deferred.backward_input(roots, grads, [x], list(model.parameters()), pending,
+                                      keep_graph=True)
         assert all(r() is not None for r in refs)
-        backward_weight(work, keep_graph=True)
-        assert all(r() is not None for r in refs)  # the edges of W went, the roots not yet
+        deferred.run_weight(pending.entries)
+        assert all(r() is not None for r in refs)  # W's work went, the roots not yet
     else:
         backward_full(roots, grads, keep_graph=True)
         got = [x.grad]
         assert all(r() is not None for r in refs)
     del roots
-    if split:
-        del work
     assert [r() for r in refs] == [None, None]
     torch.testing.assert_close(got[0], ref[0])
     for p, g in zip(model.parameters(), ref[1:]):
@@ -217,8 +189,9 @@ def test_local_step_leaves_no_graph_alive():
 
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_weight_backward_accumulates_like_a_plain_backward(input_grad):
-    """W adds into existing ``.grad`` and fires post-accumulate hooks once per
-    parameter, as ``loss.backward()`` does (optimizer-in-backward relies on it)."""
+    """I and W add into existing ``.grad`` and fire post-accumulate hooks once
+    per parameter, as ``loss.backward()`` does (optimizer-in-backward relies
+    on it): a watched parameter keeps autograd's path, so they fire in I."""
     torch.manual_seed(3)
     model, ref = mlp(), mlp()
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -230,9 +203,7 @@ def test_weight_backward_accumulates_like_a_plain_backward(input_grad):
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=input_grad)
     g = torch.randn(4, 3, dtype=torch.float64)
     backward_full([ref(x)], [g])
-    _, work = backward_input([model(x)], [g], [x], list(model.parameters()))
-    assert not fired  # I touches no parameter
-    backward_weight(work)
+    _split(model, x, g)
     assert sorted(fired) == sorted(id(p) for p in model.parameters())
     for a, b in zip(_grads(ref), _grads(model)):
         torch.testing.assert_close(a, b)
@@ -246,8 +217,7 @@ def test_weight_shared_inside_a_stage_counts_both_uses():
     g = torch.randn(3, 4, dtype=torch.float64)
     expected = torch.autograd.grad(model(x), [x, *model.parameters()], g)
     xb = x.detach().requires_grad_()
-    grads, work = backward_input([model(xb)], [g], [xb], list(model.parameters()))
-    backward_weight(work)
+    grads, _ = _split(model, xb, g)
     torch.testing.assert_close(grads[0], expected[0])
     for p, e in zip(model.parameters(), expected[1:]):
         torch.testing.assert_close(p.grad, e)

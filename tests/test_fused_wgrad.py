@@ -1,4 +1,4 @@
-"""fused_wgrad: Linear weight gradients accumulated with one GEMM into .grad.
+"""fused_wgrad: B's weight gradients deferred too, each Linear's one GEMM into .grad.
 
 Every schedule must still reproduce the sequential gradients, whatever mix of
 layers a stage holds; layers the fast path cannot take (hooks, a weight used
@@ -12,9 +12,7 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.runtime import _backward, deferred
-from fastpipe.runtime._backward import backward_fused, backward_input, backward_weight
-from fastpipe.runtime.chain import Chain
+from fastpipe.runtime import deferred
 from fastpipe.schedules import names
 from tests.models import embedding_model, reference, tuple_model
 
@@ -88,24 +86,17 @@ def _check(model_fn, x, y, schedule, ranks=2, chunks=4, balance=None, rtol=1e-10
 @pytest.fixture
 def count_native(monkeypatch):
     """The Linears whose weight gradient W accumulated with one GEMM into
-    .grad (deferred entries run fused, or a chain stage's fused W: see
-    fastpipe.runtime.deferred and fastpipe.runtime.chain)."""
+    .grad (deferred entries run fused: fastpipe.runtime.deferred; a chain
+    stage's I makes such entries too)."""
     seen = []
     real = deferred.run_weight
-    chain_w = Chain.backward_weight
 
     def counted(entries, fuse=True):
         if fuse:
             seen.extend((e.params[0], e) for e in entries if isinstance(e.rule, deferred.LinearRule))
         return real(entries, fuse)
 
-    def counted_chain(self, work, workspace, fused=False):
-        if fused:
-            seen.append(work)
-        return chain_w(self, work, workspace, fused)
-
     monkeypatch.setattr(deferred, "run_weight", counted)
-    monkeypatch.setattr(Chain, "backward_weight", counted_chain)
     return seen
 
 
@@ -148,72 +139,6 @@ def test_a_weight_with_a_tensor_hook_keeps_autograd_path(count_native):
     assert calls  # the hook ran: the stage holding it took the plain backward
     stage0 = {id(p) for p in mixed()[0].parameters()}
     assert not any(id(weight) in stage0 for weight, _ in count_native)
-
-
-def test_fused_and_plain_backward_agree_on_one_stage():
-    """B, I+W fused and plain, on a stage whose input needs a gradient and on
-    one whose input does not (a first stage: W is then its whole backward)."""
-    torch.manual_seed(5)
-    for first in (False, True):
-        results = []
-        for how in ("plain", "fused B", "fused I+W"):
-            model = mixed()
-            x = torch.randn(6, 5, dtype=torch.float64, requires_grad=not first)
-            out = model(x)
-            g = torch.randn_like(out)
-            params = list(model.parameters())
-            inputs = [] if first else [x]
-            if how == "plain":
-                out.backward(g)
-                grads = [x.grad] if not first else []
-            elif how == "fused B":
-                grads = backward_fused([out], [g], inputs, params)
-            else:
-                grads, work = backward_input([out], [g], inputs, params, fused=True)
-                backward_weight(work)
-            results.append((grads, [p.grad.clone() for p in params]))
-        for grads, pgrads in results[1:]:
-            for a, b in zip(grads, results[0][0]):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-            for a, b in zip(pgrads, results[0][1]):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-
-
-def test_nothing_to_fuse_runs_nothing():
-    model = nn.Sequential(nn.Tanh(), ScaledAddmm(4))
-    x = torch.randn(3, 4, requires_grad=True)
-    out = model(x)
-    assert backward_fused([out], [torch.ones_like(out)], [x], list(model.parameters())) is None
-    assert all(p.grad is None for p in model.parameters()) and x.grad is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("rows", [0, 1, 7, 33])
-def test_native_accumulation_matches_torch(dtype, rows):
-    """The native GEMM path against addmm_: with and without bias, into an
-    empty and an existing .grad; one of weight and bias without .grad."""
-    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
-    torch.manual_seed(rows)
-    for bias, start in ((True, None), (True, "both"), (False, "both"), (True, "weight only")):
-        lins = [nn.Linear(13, 9, bias=bias).to(dtype), nn.Linear(9, 13, bias=bias).to(dtype)]
-        ref = [nn.Linear(13, 9, bias=bias).to(dtype), nn.Linear(9, 13, bias=bias).to(dtype)]
-        for a, b in zip(lins, ref):
-            b.load_state_dict(a.state_dict())
-            if start is not None:
-                for pa, pb in zip(a.parameters(), b.parameters()):
-                    pa.grad = torch.randn_like(pa)
-                    pb.grad = pa.grad.clone()
-                if start == "weight only" and bias:
-                    a.bias.grad = b.bias.grad = None
-        x = torch.randn(rows, 13, dtype=dtype)
-        out = lins[1](torch.tanh(lins[0](x)))
-        backward_fused([out], [torch.ones_like(out)], [], [p for m in lins for p in m.parameters()])
-        ref[1](torch.tanh(ref[0](x))).backward(torch.ones(rows, 13, dtype=dtype))
-        for a, b in zip(lins, ref):
-            for pa, pb in zip(a.parameters(), b.parameters()):
-                if pb.grad is None:  # no rows: autograd gives zeros, or leaves it untouched
-                    pb.grad = torch.zeros_like(pb)
-                torch.testing.assert_close(pa.grad, pb.grad, **tol)
 
 
 def test_bfloat16_takes_torch_ops(count_native):

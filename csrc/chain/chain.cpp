@@ -1,4 +1,4 @@
-// Chains in C++: the forward, I and W of a stage of Linears and elementwise
+// Chains in C++: the forward and I of a stage of Linears and elementwise
 // activations (fastpipe/runtime/chain.py says which stages and why), run
 // with the GIL released.
 //
@@ -20,6 +20,8 @@
 #endif
 #include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
+
+#include "wgrad.h"
 
 #include <cstdint>
 #include <memory>
@@ -49,9 +51,7 @@ struct Saved {
 };
 
 // W's share of one microbatch: (op index, incoming gradient, input) per Linear.
-struct Work {
-  std::vector<std::tuple<std::size_t, at::Tensor, at::Tensor>> items;
-};
+using Item = std::tuple<std::int64_t, at::Tensor, at::Tensor>;
 
 bool needs_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
 
@@ -100,17 +100,7 @@ at::Tensor gelu_backward(const at::Tensor& g, const at::Tensor& x, at::native::G
 }
 #endif
 
-// AccumulateGrad's two cases: store a fresh gradient, or add into .grad in place.
-void accumulate(const at::Tensor& p, const at::Tensor& fresh) {
-  at::Tensor& grad = p.mutable_grad();
-  if (grad.defined()) {
-    grad.add_(fresh);
-  } else {
-    grad = fresh;
-  }
-}
-
-// A stage's ops. The structure and W's buffers stay for the stage's life;
+// A stage's ops. The structure stays for the stage's life;
 // the parameters are bound for one step (bind .. unbind), so that between
 // steps nothing here holds them (torch.utils.swap_tensors needs that).
 class Program {
@@ -177,27 +167,24 @@ class Program {
     return {h, saved};
   }
 
-  // I: the gradient of the stage input (None unless need_input) and W's share.
-  // own: W will run later (gathered), so the tensors it keeps are copied
-  // where they may be the caller's, the incoming gradient and the first
-  // Linear's input: those can be views into a transport's reused buffer.
-  std::pair<std::optional<at::Tensor>, std::shared_ptr<Work>> backward_input(Saved& saved, const at::Tensor& grad,
-                                                                             bool need_input, bool own) const {
+  // I: the gradient of the stage input (None unless need_input) and W's
+  // share: (op index, incoming gradient, input) of each trained Linear, for
+  // deferred weight gradients (fastpipe/runtime/deferred.py) to run.
+  std::pair<std::optional<at::Tensor>, std::vector<Item>> backward_input(Saved& saved, const at::Tensor& grad,
+                                                                         bool need_input) const {
     TORCH_CHECK(bound_, "no parameters bound: call bind first");
     TORCH_CHECK(saved.tensors.size() == ops_.size(), "this forward's tensors were used already");
-    auto work = std::make_shared<Work>();
+    std::vector<Item> items;
     std::optional<at::Tensor> out;
     {
       py::gil_scoped_release nogil;
       at::NoGradGuard no_grad;
-      at::Tensor g = own ? grad.clone() : grad;
+      at::Tensor g = grad;
       for (std::int64_t i = static_cast<std::int64_t>(ops_.size()) - 1; i >= 0; --i) {
         const Op& op = ops_[i];
         const at::Tensor& s = saved.tensors[i];
         if (op.kind == kLinear) {
-          if (op.weight.requires_grad() || needs_grad(op.bias)) {
-            work->items.emplace_back(i, g, own && i == first_linear_ ? s.clone() : s);
-          }
+          if (op.weight.requires_grad() || needs_grad(op.bias)) items.emplace_back(i, g, s);
           if (i == first_linear_ && !need_input) break;  // what lies below only leads to the input
           g = input_grad(g, op.weight, s);
           continue;
@@ -222,75 +209,7 @@ class Program {
       if (need_input) out = g;
     }
     saved.tensors.clear();  // with the GIL: the input may be a tensor Python holds
-    return {out, work};
-  }
-
-  // W: each Linear's weight and bias gradient into .grad; fused: one addmm_.
-  void backward_weight(Work& work, bool fused) {
-    TORCH_CHECK(bound_ || work.items.empty(), "no parameters bound: call bind first");
-    {
-      py::gil_scoped_release nogil;
-      at::NoGradGuard no_grad;
-      for (const auto& [i, g, x] : work.items) {
-        const Op& op = ops_[i];
-        const at::Tensor& w = op.weight;
-        if (w.requires_grad()) {
-          at::Tensor& grad = w.mutable_grad();
-          if (!grad.defined()) {
-            grad = at::mm(g.t(), x);
-          } else if (fused) {
-            grad.addmm_(g.t(), x);
-          } else {
-            grad.add_(at::mm_out(buffer(w), g.t(), x));
-          }
-        }
-        if (needs_grad(op.bias)) accumulate(*op.bias, g.sum(0));
-      }
-    }
-    work.items.clear();
-  }
-
-  // W of several microbatches at once: per Linear, their incoming gradients
-  // and inputs stacked by rows, one GEMM into .grad (addmm_), one sum for
-  // the bias. Where a microbatch has few rows the per-microbatch W is bound
-  // by passes over the gradient matrix, not arithmetic: 8 Linears of
-  // 128x512, 16 microbatches of 4 rows, took 3.3 ms one by one and 0.6 ms
-  // stacked. The sum over rows then runs inside the GEMM, as it does for
-  // the unsplit batch: other rounding than one addition per microbatch.
-  void backward_weight_gathered(const std::vector<std::shared_ptr<Work>>& works) {
-    TORCH_CHECK(bound_ || works.empty(), "no parameters bound: call bind first");
-    if (works.empty()) return;
-    {
-      py::gil_scoped_release nogil;
-      at::NoGradGuard no_grad;
-      const auto& first = works.front()->items;
-      for (std::size_t j = 0; j < first.size(); ++j) {
-        const std::size_t i = std::get<0>(first[j]);
-        std::vector<at::Tensor> gs, xs;
-        gs.reserve(works.size());
-        xs.reserve(works.size());
-        for (const auto& work : works) {
-          TORCH_CHECK(work->items.size() == first.size() && std::get<0>(work->items[j]) == i,
-                      "gathered W needs works of one program and step");
-          gs.push_back(std::get<1>(work->items[j]));
-          xs.push_back(std::get<2>(work->items[j]));
-        }
-        const at::Tensor g = at::cat(gs, 0);
-        const Op& op = ops_[i];
-        const at::Tensor& w = op.weight;
-        if (w.requires_grad()) {
-          const at::Tensor x = at::cat(xs, 0);
-          at::Tensor& grad = w.mutable_grad();
-          if (!grad.defined()) {
-            grad = at::mm(g.t(), x);
-          } else {
-            grad.addmm_(g.t(), x);
-          }
-        }
-        if (needs_grad(op.bias)) accumulate(*op.bias, g.sum(0));
-      }
-    }
-    for (const auto& work : works) work->items.clear();
+    return {out, std::move(items)};
   }
 
   // Bytes a forward keeps, counted as autograd's saved-tensor hooks count
@@ -302,19 +221,9 @@ class Program {
   }
 
  private:
-  // A reused weight-gradient buffer per weight shape, dtype and device.
-  at::Tensor& buffer(const at::Tensor& w) {
-    for (auto& b : buffers_) {
-      if (b.sizes() == w.sizes() && b.dtype() == w.dtype() && b.device() == w.device()) return b;
-    }
-    buffers_.push_back(at::empty_like(w, at::MemoryFormat::Contiguous));
-    return buffers_.back();
-  }
-
   std::vector<Op> ops_;
   std::int64_t first_linear_ = -1;
   bool bound_ = false;
-  std::vector<at::Tensor> buffers_;
 };
 
 // Whether any of these parameters has a gradient accumulator that carries
@@ -339,22 +248,20 @@ bool accumulator_hooked(const std::vector<at::Tensor>& params) {
 }  // namespace fastpipe
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Chains of Linears and activations: forward, I and W without autograd or the GIL.";
+  m.doc() = "Chains of Linears and activations (forward and I), and deferred weight gradients (W), "
+            "without autograd or the GIL.";
   namespace py = pybind11;
-  using fastpipe::Program, fastpipe::Saved, fastpipe::Work;
+  using fastpipe::Program, fastpipe::Saved;
   m.attr("aten_gelu") = fastpipe::kAtenGelu;
+  fastpipe::register_wgrad(m);
   m.def("accumulator_hooked", &fastpipe::accumulator_hooked, py::arg("params"),
         "Whether a live AccumulateGrad node of one of these parameters carries hooks.");
   py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved");
-  py::class_<Work, std::shared_ptr<Work>>(m, "Work");
   py::class_<Program>(m, "Program")
       .def(py::init<const std::vector<std::int64_t>&>(), py::arg("kinds"))
       .def("bind", &Program::bind, py::arg("weights"), py::arg("biases"), py::arg("approximate"))
       .def("unbind", &Program::unbind)
       .def("forward", &Program::forward, py::arg("x"))
-      .def("backward_input", &Program::backward_input, py::arg("saved"), py::arg("grad"), py::arg("need_input"),
-           py::arg("own"))
-      .def("backward_weight", &Program::backward_weight, py::arg("work"), py::arg("fused"))
-      .def("backward_weight_gathered", &Program::backward_weight_gathered, py::arg("works"))
+      .def("backward_input", &Program::backward_input, py::arg("saved"), py::arg("grad"), py::arg("need_input"))
       .def("saved_bytes", &Program::saved_bytes, py::arg("saved"));
 }

@@ -17,6 +17,7 @@ excluded), counted with saved-tensor hooks.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -26,7 +27,8 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from fastpipe import _microbatch as mbatch
-from fastpipe.runtime._backward import backward_full, backward_input, backward_weight
+from fastpipe.runtime import deferred
+from fastpipe.runtime._backward import backward_full
 from fastpipe.runtime.memory import SavedBytes
 
 
@@ -107,12 +109,15 @@ class _Timed:
         self.samples: dict[str, list[float]] = {"forward": [], "backward": [],
                                                 "input_backward": [], "weight_backward": []}
 
-    def forward(self, value, device, record: bool):
-        """F on fresh leaves; returns (leaves, roots, grads) for B, I and W."""
+    def forward(self, value, device, record: bool, pending: deferred.Pending | None = None):
+        """F on fresh leaves; returns (leaves, roots, grads) for B, I and W.
+        With ``pending``, the layers defer their weight gradients into it
+        (as a split schedule's forward runs them)."""
         leaves, spec = _leaves(value, device, self.first)
         _sync(device)
         t0 = time.perf_counter()
-        out = self.layer(mbatch.unflatten(leaves, spec))
+        with deferred.collecting(pending) if pending is not None else contextlib.nullcontext():
+            out = self.layer(mbatch.unflatten(leaves, spec))
         if record:
             _sync(device)
             self.samples["forward"].append(time.perf_counter() - t0)
@@ -146,13 +151,18 @@ def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None
     graphs = [t.forward(v, device, record) for t, v in zip(timed, inputs)]
     for t, (_, roots, grads) in zip(reversed(timed), reversed(graphs)):
         t.timed("backward", lambda: backward_full(roots, grads), record)
-    graphs = [t.forward(v, device, False) for t, v in zip(timed, inputs)]
-    works = []
-    for t, (leaves, roots, grads) in zip(reversed(timed), reversed(graphs)):
-        works.append(t.timed("input_backward",
-                             lambda: backward_input(roots, grads, leaves, t.params)[1], record))
-    for t, work in zip(reversed(timed), works):
-        t.timed("weight_backward", lambda: backward_weight(work), record)
+    installed = [deferred.install(t.layer) for t in timed]
+    try:
+        pendings = [deferred.Pending() for _ in timed]
+        graphs = [t.forward(v, device, False, p) for t, v, p in zip(timed, inputs, pendings)]
+        for t, (leaves, roots, grads), p in zip(reversed(timed), reversed(graphs), reversed(pendings)):
+            t.timed("input_backward",
+                    lambda: deferred.backward_input(roots, grads, leaves, t.params, p), record)
+        for t, p in zip(reversed(timed), reversed(pendings)):
+            t.timed("weight_backward", lambda: deferred.run_weight(p.entries), record)
+    finally:
+        for layers in installed:
+            deferred.uninstall(layers)
 
 
 def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,

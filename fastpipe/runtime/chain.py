@@ -17,29 +17,18 @@ executor runs it as a :class:`Chain`:
                          saves each op's input (or output, where its
                          backward formula reads that), as autograd would
     I:  g ─► ... ─► g·W ─► gelu_backward ─► g·W ─► grad of x
-    W:  for each Linear: W.grad += gᵀ·x, b.grad += Σ g
+        keeping (Linear, g, x) of each trained Linear for W
 
 The ops are the ones autograd's formulas run (``mm_mat1_backward`` and
-``mm_mat2_backward`` with the same operand layouts, ``gelu_backward`` ...)
-and gradients are accumulated as AccumulateGrad does (stored when ``.grad``
-is None, added in place otherwise), so the results are bit-identical to the
-eager path (tests/test_chain.py); the native chain runs GELU through ATen's
-own CPU kernel rather than oneDNN's (cheaper at these sizes, other last
-bits: csrc/chain/chain.cpp), so it is bit-identical to eager with oneDNN
-off. The I/W split comes for free: I keeps each Linear's incoming gradient
-and input, W consumes them.
-
-W is also where a chain goes past autograd: on narrow microbatches each
-W is a few rows against a whole weight matrix, bound by passes over that
-matrix. So the executor defers it (:meth:`Chain.defer_weight`): while the
-rows waiting keep less than the weight matrix they will write (per Linear,
-a row of input and one of gradient: a 128x512 Linear lets 102 rows
-wait), they wait, and then run as one GEMM per Linear over all their rows,
-as the unsplit batch's backward would; whatever waits at the end of the
-step runs then, before the step returns. The sum over microbatches then
-happens inside the GEMM, so the rounding is the unsplit batch's kind, not
-autograd's one addition per microbatch. ``FASTPIPE_CHAIN_GATHER=0`` runs
-each W at once, as autograd adds them.
+``mm_mat2_backward`` with the same operand layouts, ``gelu_backward`` ...),
+so the input gradients are bit-identical to the eager path
+(tests/test_chain.py); the native chain runs GELU through ATen's own CPU
+kernel rather than oneDNN's (cheaper at these sizes, other last bits:
+csrc/chain/chain.cpp), so it is bit-identical to eager with oneDNN off.
+The I/W split comes for free: I keeps each Linear's incoming gradient and
+input, and W is the executor's deferred weight-gradient work
+(``fastpipe.runtime.deferred``: gathered over microbatches, as for any
+other stage), the same as eager autograd's with ``FASTPIPE_CHAIN_GATHER=0``.
 
 What would make the chain differ from eager autograd sends the stage down
 the eager path instead, checked at the start of each step (:meth:`Chain.ready`)
@@ -63,8 +52,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +59,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from fastpipe._ext import native_chain
-from fastpipe.runtime._backward import accumulate_linear_grads
+from fastpipe.runtime import deferred
 
 _aten = torch.ops.aten
 
@@ -103,17 +90,11 @@ def enabled() -> bool:
 
 
 def gathering() -> bool:
-    """W of several microbatches in one GEMM (``Chain.defer_weight``), unless
-    ``FASTPIPE_CHAIN_GATHER=0`` (read at the start of every step)."""
+    """W of several microbatches in one GEMM, fused into ``.grad``
+    (``deferred.WeightQueue``), unless ``FASTPIPE_CHAIN_GATHER=0`` (read at
+    the start of every step): then each W runs at once, with autograd's
+    rounding."""
     return os.environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0"
-
-
-@dataclass
-class ChainWork:
-    """W's share of one microbatch: each Linear with its incoming gradient and input."""
-
-    items: list[tuple[nn.Linear, torch.Tensor, torch.Tensor]] | Any  # or the native Work
-    rows: int = 0  # the microbatch's rows (the executor sets them)
 
 
 class Chain:
@@ -138,12 +119,6 @@ class Chain:
         # The native Program: its parameters bound for one step (ready .. unbind).
         self._program = self._lib.Program([k for k, _ in ops]) if self._lib is not None else None
         self._bound = False
-        # Deferred W (defer_weight): the works kept, their rows, and how many
-        # rows may wait (set by ready()).
-        self._pending: list[ChainWork] = []
-        self._pending_rows = 0
-        self._gather_rows = 0
-        self._row_bytes = 0  # bytes a deferred row keeps: its inputs and gradients of W
 
     @property
     def native(self) -> bool:
@@ -160,8 +135,8 @@ class Chain:
         self._bound = True
 
     def unbind(self) -> None:
-        """Lets the native Program drop its references to the parameters (it
-        keeps W's buffers), so that between steps nothing but the model holds
+        """Lets the native Program drop its references to the parameters, so
+        that between steps nothing but the model holds
         them (``torch.utils.swap_tensors``, as ``module.to()`` and
         ``load_state_dict`` may use, refuses tensors referenced elsewhere).
         The executor calls it at the end of every step."""
@@ -169,8 +144,6 @@ class Chain:
             self._program.unbind()
             self._bound = False
         self._dtype = None
-        self._pending.clear()  # W not run by now belongs to a step that failed
-        self._pending_rows = 0
 
     @classmethod
     def of(cls, module: nn.Module, native: bool = True) -> Chain | None:
@@ -264,14 +237,6 @@ class Chain:
             self._bind()
         self._dtype = dtype
         self.trains = any(p.requires_grad for p in present)
-        trained = [m.weight.shape for m in self._linears
-                   if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad)]
-        # Rows may wait while what they keep (a row of input and of gradient
-        # per Linear) is less than the weight matrix W writes: then gathering
-        # saves passes over it, and the memory it holds stays below a
-        # weight gradient's.
-        self._gather_rows = min((o * i // (o + i) for o, i in trained), default=0)
-        self._row_bytes = sum(o + i for o, i in trained) * dtype.itemsize
         return True
 
     def accepts(self, x: torch.Tensor) -> bool:
@@ -315,28 +280,24 @@ class Chain:
             return self._program.saved_bytes(saved)
         return sum(t.numel() * t.element_size() for t in saved)
 
-    def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool,
-                       defer: bool = False) -> tuple[torch.Tensor | None, ChainWork]:
-        """I: the gradient of the stage input (None unless ``need_input``), and
-        what W needs. ``saved`` is emptied: it cannot serve twice.
-
-        ``defer``: W goes to ``defer_weight``. Where it will wait, W's
-        tensors that may be the caller's (``grad``, the first Linear's
-        input) are copied: they can be views into a transport's buffer,
-        which is reused once the microbatch is done."""
-        own = defer and grad.shape[0] < self._gather_rows
+    def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
+                       ) -> tuple[torch.Tensor | None, deferred.Pending]:
+        """I: the gradient of the stage input (None unless ``need_input``),
+        and W's share as deferred weight-gradient entries (one per trained
+        Linear, its incoming gradient and input). ``saved`` is emptied: it
+        cannot serve twice."""
         if self._bound:
-            gx, work = self._program.backward_input(saved, grad, need_input, own)
-            return gx, ChainWork(work)
+            gx, items = self._program.backward_input(saved, grad, need_input)
+            return gx, self._pending([(self.ops[i][1], g, x) for i, g, x in items])
         items = []
-        g = grad.clone() if own else grad
+        g = grad
         with torch.no_grad():
             for i in range(len(self.ops) - 1, -1, -1):
                 kind, m = self.ops[i]
                 s = saved[i]
                 if kind == _LINEAR:
                     if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
-                        items.append((m, g, s.clone() if own and i == self._first_linear else s))
+                        items.append((m, g, s))
                     if i == self._first_linear and not need_input:
                         break  # what lies below only leads to the input
                     g = _input_grad(g, m.weight, s)
@@ -351,104 +312,11 @@ class Chain:
                 else:
                     g = _aten.sigmoid_backward(g, s)
         saved.clear()
-        return (g if need_input else None), ChainWork(items)
+        return (g if need_input else None), self._pending(items)
 
-    def backward_weight(self, work: ChainWork, workspace: dict, fused: bool = False) -> None:
-        """W: accumulates each Linear's weight and bias gradient into ``.grad``.
-
-        As AccumulateGrad does: a missing ``.grad`` gets the fresh gradient,
-        an existing one has it added in place. The weight gradient goes
-        through a buffer kept in ``workspace`` then, so no step allocates
-        one (on this CPU's glibc a fresh 64-byte-aligned gradient can come
-        from new pages every time: see ``_backward``). ``fused`` adds it
-        with one ``addmm_`` instead (``Pipe(fused_wgrad=True)``: fewer
-        passes over the matrix, other rounding).
-        """
-        if isinstance(work.items, list) and not work.items:
-            return  # nothing wanted a gradient (the executor's empty work)
-        if self._bound:
-            self._program.backward_weight(work.items, fused)
-            return
-        items = work.items
-        if fused:  # Linears whose weight and bias both train; the rest as below
-            whole = [m.weight.requires_grad and (m.bias is None or m.bias.requires_grad)
-                     for m, _, _ in items]
-            accumulate_linear_grads([(m.weight, m.bias, g, x)
-                                     for (m, g, x), w in zip(items, whole) if w])
-            items = [item for item, w in zip(items, whole) if not w]
-        with torch.no_grad():
-            for m, g, x in items:
-                w, b = m.weight, m.bias
-                if w.requires_grad:
-                    if w.grad is None:
-                        w.grad = _weight_grad(g, x)
-                    else:
-                        key = (tuple(w.shape), w.dtype, w.device)
-                        buf = workspace.get(key)
-                        if buf is None:
-                            buf = workspace[key] = torch.empty_like(w)
-                        w.grad.add_(_weight_grad(g, x, out=buf))
-                if b is not None and b.requires_grad:
-                    _accumulate(b, g.sum(0))
-        work.items.clear()
-
-    # --- W of several microbatches ------------------------------------------------
-
-    @property
-    def deferred_bytes(self) -> int:
-        """Bytes the deferred W keeps alive (inputs and gradients of its Linears)."""
-        return self._pending_rows * self._row_bytes
-
-    def defer_weight(self, work: ChainWork, workspace: dict, fused: bool = False) -> None:
-        """W, gathered: keeps ``work`` and runs the kept ones in one GEMM per
-        Linear once their rows reach the limit ``ready()`` set (a
-        microbatch with that many rows runs at once, alone, as
-        ``backward_weight``). ``flush_weight`` runs what is left; the
-        executor calls it at the end of the step, so ``.grad`` is complete
-        when the step returns."""
-        if isinstance(work.items, list) and not work.items:
-            return
-        self._pending.append(work)
-        self._pending_rows += work.rows
-        if self._pending_rows >= self._gather_rows:
-            self.flush_weight(workspace, fused)
-
-    def flush_weight(self, workspace: dict, fused: bool = False) -> None:
-        """Runs the deferred W: one work as ``backward_weight`` would, several
-        stacked by rows (other rounding than one addition per microbatch,
-        as for the unsplit batch; csrc/chain/chain.cpp has the figures)."""
-        works, self._pending, self._pending_rows = self._pending, [], 0
-        if len(works) == 1:
-            self.backward_weight(works[0], workspace, fused)
-        elif works and self._bound:
-            self._program.backward_weight_gathered([w.items for w in works])
-        elif works:
-            self._weight_gathered(works)
-
-    def _weight_gathered(self, works: list[ChainWork]) -> None:
-        """``flush_weight``'s ops, from Python (the native program's, in order)."""
-        with torch.no_grad():
-            for j, (m, _, _) in enumerate(works[0].items):
-                g = torch.cat([w.items[j][1] for w in works])
-                weight, bias = m.weight, m.bias
-                if weight.requires_grad:
-                    x = torch.cat([w.items[j][2] for w in works])
-                    if weight.grad is None:
-                        weight.grad = torch.mm(g.t(), x)
-                    else:
-                        weight.grad.addmm_(g.t(), x)
-                if bias is not None and bias.requires_grad:
-                    _accumulate(bias, g.sum(0))
-        for w in works:
-            w.items.clear()
-
-
-def _accumulate(p: torch.Tensor, fresh: torch.Tensor) -> None:
-    """AccumulateGrad's two cases: store a fresh gradient, or add it in place."""
-    if p.grad is None:
-        p.grad = fresh
-    else:
-        p.grad.add_(fresh)
+    @staticmethod
+    def _pending(items) -> deferred.Pending:
+        return deferred.Pending([deferred.linear_entry(m, g, x) for m, g, x in items])
 
 
 def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -457,11 +325,3 @@ def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tens
     if x.stride(0) == 1 and x.stride(1) == x.shape[0]:
         return w.t().mm(g.t()).t()
     return g.mm(w)
-
-
-def _weight_grad(g: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``mm_mat2_backward`` for the transposed weight ``w.t()``, transposed
-    back: ``g.t() @ x``, the kernel autograd runs for a Linear."""
-    if out is None:
-        return torch.mm(g.t(), x)
-    return torch.mm(g.t(), x, out=out)

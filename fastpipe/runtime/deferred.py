@@ -49,6 +49,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from fastpipe._ext import native_chain
 from fastpipe.runtime._backward import Root, backward_full, filled, run_backward
 
 _aten = torch.ops.aten
@@ -104,6 +106,11 @@ class WeightRule:
 
     def gather(self, entries: list[Entry]) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
+
+    def native(self, entry: Entry, chain: ModuleType):
+        """The entry as an item of ``fastpipe._chain.weight_grads`` (the
+        built-in rules' W in C++), or None: ``weight_grads``/``gather`` run."""
+        return None
 
 
 _RULES: dict[type, WeightRule] = {}
@@ -165,6 +172,14 @@ class Pending:
         return sum(e.g.numel() * e.g.element_size() for e in self.entries)
 
 
+def linear_entry(module: nn.Linear, g: torch.Tensor, x: torch.Tensor) -> Entry:
+    """W's entry for a Linear whose output gradient ``g`` and (2-D) input
+    ``x`` someone else kept: a chain stage's I (``fastpipe.runtime.chain``)."""
+    targets = tuple(p if p is not None and p.requires_grad else None
+                    for p in (module.weight, module.bias))
+    return Entry(_RULES[nn.Linear], targets, (x,), None, g, id(module))
+
+
 def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
                    pending: Pending | None, keep_graph: bool = False
@@ -199,6 +214,9 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
                 # A copy where .grad is new: the engine's result may be a
                 # received buffer or another tensor's gradient.
                 accumulate(p, g if p.grad is not None else g.clone())
+                if p._post_accumulate_grad_hooks is not None:  # as AccumulateGrad runs them
+                    for hook in tuple(p._post_accumulate_grad_hooks.values()):
+                        hook(p)
     entries = pending.entries
     pending.entries = [e for e, g in zip(entries, got[n + len(trained):]) if g is not None]
     for e, g in zip(entries, got[n + len(trained):]):
@@ -223,10 +241,17 @@ def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
     ``fuse=False`` keeps autograd's own rounding: one entry at a time, each
     fresh gradient added to ``.grad`` as AccumulateGrad adds it.
     """
+    groups: dict[int, list[Entry]] = {}
+    for e in entries:
+        groups.setdefault(e.layer, []).append(e)
+    chain = native_chain()
+    if chain is not None:  # the built-in rules' W in C++, without the GIL
+        items = [[e.rule.native(e, chain) for e in group] for group in groups.values()]
+        done = [all(it is not None for it in group) for group in items]
+        if any(done):
+            chain.weight_grads([g for g, ok in zip(items, done) if ok], fuse)
+            groups = {k: g for (k, g), ok in zip(groups.items(), done) if not ok}
     with torch.no_grad():
-        groups: dict[int, list[Entry]] = {}
-        for e in entries:
-            groups.setdefault(e.layer, []).append(e)
         for group in groups.values():
             first = group[0]
             if fuse and first.rule.rows(first.saved, first.meta) is not None:
@@ -446,6 +471,9 @@ class LinearRule(WeightRule):
     def rows(self, kept, meta):
         return kept[0].shape[0]
 
+    def native(self, e, chain):
+        return chain.WeightItem(0, list(e.params), list(e.saved), e.g, [], [], 0.0)
+
     def gather(self, entries):
         if len(entries) == 1:
             e = entries[0]
@@ -487,6 +515,10 @@ class LayerNormRule(WeightRule):
         w, b = detached
         out = F.layer_norm(x, m.normalized_shape, w, b, m.eps)
         return out, (x.detach(),), (tuple(m.normalized_shape), m.eps, w, b)
+
+    def native(self, e, chain):
+        shape, eps, w, b = e.meta
+        return chain.WeightItem(1, list(e.params), list(e.saved), e.g, [w, b], list(shape), eps)
 
     def weight_grads(self, kept, meta, targets, g):
         shape, eps, w, b = meta
@@ -536,6 +568,10 @@ class EmbeddingRule(WeightRule):
         out = F.embedding(ids, detached[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False)
         pad = m.padding_idx if m.padding_idx is not None else -1
         return out, (ids.detach(),), (detached[0].shape[0], pad, m.scale_grad_by_freq)
+
+    def native(self, e, chain):
+        num, pad, freq = e.meta
+        return chain.WeightItem(2, list(e.params), list(e.saved), e.g, [], [num, pad, int(freq)], 0.0)
 
     def weight_grads(self, kept, meta, targets, g):
         num, pad, freq = meta

@@ -36,7 +36,7 @@ from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime import deferred
 from fastpipe.runtime._backward import backward_full
 from fastpipe.runtime.buffers import last_use
-from fastpipe.runtime.chain import Chain, ChainWork
+from fastpipe.runtime.chain import Chain
 from fastpipe.runtime.chain import enabled as chains_enabled
 from fastpipe.runtime.chain import gathering as chain_gathering
 from fastpipe.runtime.losses import known_loss
@@ -65,8 +65,6 @@ class Stage:
     # Saved-activation bytes of a forward, by (kind, input shapes and dtypes):
     # counted with hooks the first time, then looked up (hooks cost ~5 %).
     saved_bytes: dict = field(default_factory=dict, init=False)
-    # Chain W's reused weight-gradient buffers (``Chain.backward_weight``).
-    workspace: dict = field(default_factory=dict, init=False)
     # W work of a split schedule waiting to be gathered (``deferred.WeightQueue``).
     weights: deferred.WeightQueue = field(default_factory=deferred.WeightQueue, init=False)
     # The layers as a Chain (``fastpipe.runtime.chain``) when they all are
@@ -122,8 +120,9 @@ class RankExecutor:
             when the executor drops it, instead of freeing them as it runs:
             what ranks on threads of one interpreter want, since a backward
             then needs no GIL (see ``fastpipe.runtime._backward``).
-        fused_wgrad: B and W accumulate each Linear's weight gradient with
-            one ``addmm_`` into ``.grad`` (``_backward.backward_fused``).
+        fused_wgrad: B too leaves the weight gradients of layers with a
+            rule to deferred W (``fastpipe.runtime.deferred``), run at once
+            or gathered, each Linear's with one ``addmm_`` into ``.grad``.
         autocast: the caller's autocast regions and cache flag
             (``threads.autocast_state()``, read on the caller's thread):
             forwards, the loss and recomputation run under them, B, I and W
@@ -158,7 +157,7 @@ class RankExecutor:
     ) -> None:
         self.rank = rank
         self.python_chains = python_chains
-        self.gather_w = chain_gathering()  # chain stages defer W to gather microbatches
+        self.gather_w = chain_gathering()  # W gathered over microbatches, fused into .grad
         self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
@@ -221,7 +220,7 @@ class RankExecutor:
         self._local: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
         self._saved: dict[tuple[int, int], _Saved] = {}
         self._outbox: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
-        self._weights: dict[tuple[int, int], deferred.Pending | ChainWork] = {}
+        self._weights: dict[tuple[int, int], deferred.Pending] = {}
         self._results: dict[int, Any] = {}
         # Gradients of the first stage's inputs, by microbatch: the caller
         # carries them into its own tensors (Pipe._backward_into_inputs).
@@ -300,19 +299,15 @@ class RankExecutor:
         self.transport.finish()
 
     def _flush_deferred(self, origin: float | None) -> None:
-        """Runs the W chain stages deferred, so .grad is complete when the step
-        returns; on a timeline it is a W of the step's last microbatch."""
+        """Runs the W work still waiting to be gathered, so .grad is complete
+        when the step returns; on a timeline it is a W of the step's last
+        microbatch."""
         for i, stage in self.stages.items():
-            chain = stage.chain if i in self._chains else None
-            held = chain.deferred_bytes if chain is not None else stage.weights.nbytes
-            if not held and not stage.weights.waiting:
+            if not stage.weights.waiting:
                 continue
             t0 = time.perf_counter()
-            self._hold(-held)
-            if chain is not None:
-                chain.flush_weight(stage.workspace, self.fused_wgrad)
-            else:
-                stage.weights.flush()
+            self._hold(-stage.weights.nbytes)
+            stage.weights.flush()
             if self.records is not None:
                 last = Action(i, Kind.W, self.schedule.microbatches - 1)
                 self.records.append(TimelineRecord(self.rank, last, t0 - origin,
@@ -534,7 +529,7 @@ class RankExecutor:
         self._count((a.stage, mb), start)
         self._saved[(a.stage, mb)] = saved
 
-    def _chain_input(self, a: Action, saved: _Saved) -> ChainWork:
+    def _chain_input(self, a: Action, saved: _Saved) -> deferred.Pending:
         """I of a Chain stage: the input gradient (sent on) and W's share."""
         if saved.out is not None:  # the last stage: the loss's gradient first
             backward_full(saved.roots, saved.grads, self.keep_graphs)
@@ -544,12 +539,10 @@ class RankExecutor:
         x = saved.leaves[0]
         if grad is None:  # the output needed no gradient: nothing before it does
             self._send_input_grads(a.stage, a.microbatch, saved.leaves, [None])
-            return ChainWork([])
-        need = x.requires_grad
-        gx, work = self.stages[a.stage].chain.backward_input(saved.chain, grad, need, self.gather_w)
-        work.rows = x.shape[0]
+            return deferred.Pending()
+        gx, pending = self.stages[a.stage].chain.backward_input(saved.chain, grad, x.requires_grad)
         self._send_input_grads(a.stage, a.microbatch, saved.leaves, [gx])
-        return work
+        return pending
 
     def _autocast(self):
         return autocast(self._amp, self._amp_cache) if self._amp else nullcontext()
@@ -635,60 +628,53 @@ class RankExecutor:
         self._deliver(("B", stage - 1, mb), stage - 1, (out, False))
 
     def _backward(self, a: Action) -> None:
-        saved = self._grads_for(a.stage, a.microbatch)
-        del self._saved[(a.stage, a.microbatch)]
-        if saved.chain is not None:
-            stage = self.stages[a.stage]
-            work = self._chain_input(a, saved)
-            if (a.stage, a.microbatch) in self._send_after_i:
-                # The gradient the previous stage waits for leaves before W
-                # runs, not after: W only feeds this rank's .grad.
-                self._send_b(a)
-            self._chain_weight(stage, work)
-            return
-        grads = deferred.backward_input(saved.roots, saved.grads, saved.leaves,
-                                        self.stages[a.stage].params, saved.pending, self.keep_graphs)
-        if saved.pending is not None:  # its W at once
-            deferred.run_weight(saved.pending.entries, fuse=self.gather_w or self.fused_wgrad)
-        self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
-
-    def _backward_input(self, a: Action) -> None:
-        """I: one plain backward over the stage; the layers with a weight
-        rule leave their weight gradients in ``saved.pending`` (see
-        ``fastpipe.runtime.deferred``), the rest accumulate now."""
+        """B: I, then its W at once (or waiting to be gathered with others)."""
         key = (a.stage, a.microbatch)
         saved = self._grads_for(*key)
         del self._saved[key]
-        if saved.chain is not None:
-            self._weights[key] = self._chain_input(a, saved)
-            return
-        grads = deferred.backward_input(saved.roots, saved.grads, saved.leaves,
-                                        self.stages[a.stage].params, saved.pending, self.keep_graphs)
-        pending = saved.pending if saved.pending is not None else deferred.Pending()
-        # What W reads that may be a view of a received buffer, handed back
-        # after W: cloned if W's work waits beyond it (``WeightQueue.add``).
-        pending.borrowed = {_storage(t) for t in (*saved.leaves, *(saved.grads or ()))
-                            if isinstance(t, torch.Tensor)}
+        pending = self._input_grads(a, saved)
+        if saved.chain is not None and key in self._send_after_i:
+            # The gradient the previous stage waits for leaves before W
+            # runs, not after: W only feeds this rank's .grad.
+            self._send_b(a)
+        if pending is not None:
+            self._queue_weight(self.stages[a.stage], pending)
+
+    def _backward_input(self, a: Action) -> None:
+        """I: the input gradients; the layers with a weight rule (and chain
+        stages) leave their weight gradients for W (``fastpipe.runtime.deferred``),
+        the rest accumulate now."""
+        key = (a.stage, a.microbatch)
+        saved = self._grads_for(*key)
+        del self._saved[key]
+        pending = self._input_grads(a, saved) or deferred.Pending()
         self._hold(pending.grad_bytes)
         self._weights[key] = pending
-        self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
+
+    def _input_grads(self, a: Action, saved: _Saved) -> deferred.Pending | None:
+        """The stage's input gradients, sent on, and what its W has to do."""
+        if saved.chain is not None:
+            pending = self._chain_input(a, saved)
+        else:
+            grads = deferred.backward_input(saved.roots, saved.grads, saved.leaves,
+                                            self.stages[a.stage].params, saved.pending,
+                                            self.keep_graphs)
+            self._send_input_grads(a.stage, a.microbatch, saved.leaves, grads)
+            pending = saved.pending
+        if pending is not None:
+            # What W reads that may be a view of a received buffer, handed
+            # back after W: cloned if W's work waits beyond it.
+            pending.borrowed = {_storage(t) for t in (*saved.leaves, *(saved.grads or ()))
+                                if isinstance(t, torch.Tensor)}
+        return pending
 
     def _backward_weight(self, a: Action) -> None:
-        work, stage = self._weights.pop((a.stage, a.microbatch)), self.stages[a.stage]
-        if isinstance(work, ChainWork):
-            self._chain_weight(stage, work)
-            return
-        before = stage.weights.nbytes
-        self._hold(-work.grad_bytes)
-        stage.weights.add(work, self.gather_w)
-        self._hold(stage.weights.nbytes - before)
+        pending = self._weights.pop((a.stage, a.microbatch))
+        self._hold(-pending.grad_bytes)
+        self._queue_weight(self.stages[a.stage], pending)
 
-    def _chain_weight(self, stage: Stage, work: ChainWork) -> None:
-        """W of a chain stage: now, or deferred to be gathered with others."""
-        chain = stage.chain
-        if not self.gather_w:
-            chain.backward_weight(work, stage.workspace, self.fused_wgrad)
-            return
-        before = chain.deferred_bytes
-        chain.defer_weight(work, stage.workspace, self.fused_wgrad)
-        self._hold(chain.deferred_bytes - before)
+    def _queue_weight(self, stage: Stage, pending: deferred.Pending) -> None:
+        """W of one microbatch: now, or gathered with others (``WeightQueue``)."""
+        before = stage.weights.nbytes
+        stage.weights.add(pending, self.gather_w)
+        self._hold(stage.weights.nbytes - before)
