@@ -15,8 +15,8 @@ from typing import Any
 from fastpipe._version import __version__
 
 __all__ = [
-    "Layout", "Pipe", "Plan", "__version__", "balance", "is_recomputing", "kernels", "pack",
-    "plan", "schedules", "selective_recompute", "unpack",
+    "Layout", "Pipe", "Plan", "WeightRule", "__version__", "balance", "is_recomputing", "kernels",
+    "pack", "plan", "register_weight_rule", "schedules", "selective_recompute", "unpack",
 ]
 
 _LAZY = {
@@ -28,6 +28,8 @@ _LAZY = {
     "Layout": "fastpipe.runtime.packing",
     "plan": "fastpipe._plan",
     "Plan": "fastpipe._plan",
+    "WeightRule": "fastpipe.runtime.deferred",
+    "register_weight_rule": "fastpipe.runtime.deferred",
 }
 
 

@@ -238,3 +238,29 @@ def test_split_schedule_defers_and_leaves_no_cycles():
         deferred.run_weight = real
     assert sum(ran) > 0
     assert all("forward" not in m.__dict__ for m in model.modules())  # uninstalled after the step
+
+
+def test_compiled_blocks_keep_the_plain_backward_and_the_gradients():
+    """A block the user compiled runs as Dynamo traced it (its layers' class
+    forward, no deferral inside); the rest of the stage defers; the
+    gradients are the unsplit model's."""
+    model = models.gpt(blocks=2)
+    ref = copy.deepcopy(model)
+    model[1] = torch.compile(model[1], backend="aot_eager")
+    ids, tg = models.gpt_batch(8)
+    pipe = Pipe(model, chunks=4, schedule="zb-h1", devices=["cpu", "cpu"], balance=[2, 2])
+    try:
+        loss = pipe.step(ids, tg, models.lm_loss)
+    finally:
+        pipe.close()
+    ref_loss, ref_grads = models.reference(ref, ids, tg, models.lm_loss, 4)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name.replace("_orig_mod.", "")], msg=name)
+
+
+def test_public_names():
+    import fastpipe
+
+    assert fastpipe.register_weight_rule is deferred.register_weight_rule
+    assert fastpipe.WeightRule is deferred.WeightRule

@@ -167,6 +167,12 @@ class Pending:
     borrowed: set[int] = field(default_factory=set)
 
     @property
+    def kept_bytes(self) -> int:
+        """Bytes the forward kept for W (what autograd would have saved for
+        the weight gradients: the executor books them as saved activations)."""
+        return sum(t.numel() * t.element_size() for e in self.entries for t in e.saved)
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes of the output gradients kept for W (what I adds to memory)."""
         return sum(e.g.numel() * e.g.element_size() for e in self.entries)

@@ -460,6 +460,8 @@ class RankExecutor:
             if known is not None:
                 self._saved_bytes.total += known
             else:
+                if pending is not None:  # what deferred layers kept, beside autograd's
+                    self._saved_bytes.total += pending.kept_bytes
                 if ckpt:  # the kept input is what a checkpointed microbatch holds
                     self._saved_bytes.total += sum(t.numel() * t.element_size() for t in leaves)
                 stage.saved_bytes[shape_key] = self._saved_bytes.total - start
@@ -601,6 +603,8 @@ class RankExecutor:
         if known is not None:
             self._saved_bytes.total += known
         else:
+            if saved.pending is not None:  # what deferred layers kept, beside autograd's
+                self._saved_bytes.total += saved.pending.kept_bytes
             stage.saved_bytes[shape_key] = self._saved_bytes.total - start
         self._count((stage_index, mb), start)
 
