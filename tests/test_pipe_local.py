@@ -400,3 +400,23 @@ def test_a_local_step_can_run_under_a_shorter_switch_interval(monkeypatch):
     assert sys.getswitchinterval() == default
     with threads.switch_interval(default * 2):  # never raised
         assert sys.getswitchinterval() == default
+
+
+def test_the_profiler_sees_every_action():
+    """Under torch.profiler each action is a range named after it. Local
+    ranks are threads of their own: the profiler records them when told to
+    record every thread."""
+    from torch.profiler import profile
+
+    pipe = Pipe(mlp(), chunks=2, schedule="zb-h1", devices=["cpu", "cpu"])
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    try:
+        with profile(experimental_config=every_thread) as prof:
+            pipe.step(x, y, F.mse_loss)
+        names = {e.name for e in prof.events() if e.name.startswith("fastpipe.")}
+        assert {"fastpipe.F stage=0 mb=0", "fastpipe.I stage=1 mb=1", "fastpipe.W stage=0 mb=1",
+                "fastpipe.SEND_F stage=0 mb=1", "fastpipe.RECV_B stage=0 mb=0"} <= names
+        assert len([n for n in names if n.startswith("fastpipe.F ")]) == 4  # 2 stages x 2 microbatches
+    finally:
+        pipe.close()

@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.profiler import record_function
 
 from fastpipe._microbatch import Value, flatten, needs_grad, unflatten
 from fastpipe.runtime import deferred
@@ -97,6 +98,10 @@ class _Saved:
     out: torch.Tensor | None = None
     # Split schedules: the weight work the layers' backward leaves for W.
     pending: deferred.Pending | None = None
+
+
+def _range(a: Action) -> record_function:
+    return record_function(f"fastpipe.{a.kind.name} stage={a.stage} mb={a.microbatch}")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -284,18 +289,28 @@ class RankExecutor:
     def _loop(self) -> None:
         verbs, release_at = self._verbs, self._release_at
         origin = None
-        if self.records is None:
+        if self.records is not None:
+            origin = self.origin if self.origin is not None else time.perf_counter()
+        # Under a torch profiler every action is a range of its own
+        # ("fastpipe.F stage=1 mb=3"), so the user's trace shows the schedule;
+        # without one, the loop has nothing extra to do.
+        profiling = torch.autograd.profiler._is_profiler_enabled
+        if origin is None and not profiling:
             for i, action in enumerate(self.actions):
                 verbs[action.kind](self, action)
                 if i in release_at:
                     self._release(release_at[i])
         else:
-            origin = self.origin if self.origin is not None else time.perf_counter()
             for i, action in enumerate(self.actions):
-                self._timed(action, origin)
+                with _range(action) if profiling else nullcontext():
+                    if origin is None:
+                        verbs[action.kind](self, action)
+                    else:
+                        self._timed(action, origin)
                 if i in release_at:
                     self._release(release_at[i])
-        self._flush_deferred(origin)
+        with record_function("fastpipe.W gathered") if profiling else nullcontext():
+            self._flush_deferred(origin)
         self.transport.finish()
 
     def _flush_deferred(self, origin: float | None) -> None:
