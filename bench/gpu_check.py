@@ -11,10 +11,22 @@ Sections:
              its producer's event).
   kernels    the Triton kernels (activation, gated, norm, dropout) against
              their torch reference on CUDA tensors, forward and backward.
-  pack       pack/unpack on CUDA: bit-exact round trip, wire casts equal to
-             torch's, bandwidth against one device copy of the same bytes
-             and against torch._foreach_copy_ into views (with and without
-             the host's time), host time per call.
+  pack       pack/unpack on CUDA: bit-exact round trips and wire casts equal
+             to torch's for 1 to 512 tensors of odd sizes and dtypes; GB/s
+             of pack (plain, and fp32 to a bf16 wire) and of unpack (bf16
+             wire back to fp32) for 1, 8, 64 and 512 tensors of 256 MiB in
+             all, against one device copy of the same bytes and against
+             torch._foreach_copy_ into views of one buffer, from the GPU's
+             time alone (checked: >= 0.85 of the copy and >= 1.2x
+             _foreach_copy_ at 8 and 64 tensors) and with the host's time;
+             the host's time per call.
+  gpt        the GPT workload (tests.models.gpt, bf16 autocast) on 2 local
+             ranks on cuda:0, gpu-bound (~100M parameters, 2,048 tokens a
+             microbatch) and launch-bound: each schedule's step time against
+             the same microbatches run sequentially (checked: <= 1.0 and
+             <= 1.05), peak memory (checked: zbv <= 1.1 x 1f1b), gradients
+             of 1f1b and zbv against the sequential model's, and (I+W)/B of
+             two blocks (checked: <= 1.05).
   local      a 2-rank local pipeline with both ranks on cuda:0 against the
              same stages run sequentially (gradients equal for gpipe, 1f1b,
              zb-h1, zbv; step-time ratio on gpu-bound, host-bound and
@@ -28,6 +40,15 @@ Sections:
              parameter and input gradients against the unsplit model's, plain
              and with checkpoint="always".
   recompute  selective recompute on CUDA: saved bytes and time ratio.
+  rebuild    Pipes built, stepped and dropped over one model on cuda:0 (1f1b,
+             zbv, gpipe; a failed step, then a new Pipe; SGD steps between):
+             every step's gradients against the unsplit model's, for a GPT
+             (fp64) and, where transformers is importable, a Hugging Face
+             GPT-2 cut into layers (fp32, against its own forward); the
+             streams are reused (bench/_lifecycle.py).
+  soak       200 AdamW steps of a GPT under bf16 autocast, 1f1b and zbv on
+             cuda:0: the loss goes down; live and reserved GPU memory and
+             the host heap flat after warm-up.
 
     python -m bench.gpu_check [--out FILE] [--sections ring,kernels,...] [--deadline S]
 
@@ -78,15 +99,19 @@ def _cuda_time(fn, warmup: int = 3, repeats: int = 20, device_only: bool = False
 
     The stream is idle when the start event is recorded, so the span also
     holds whatever host time ``fn`` spends before its GPU work is queued.
-    ``device_only`` queues a 2 ms spin kernel first, so the host has queued
-    everything before the GPU reaches the start event: the GPU's own time.
+    ``device_only`` queues a spin kernel first (2 ms, or three times the
+    host's time per call if longer), so the host has queued everything
+    before the GPU reaches the start event: the GPU's own time.
     """
     if DEV != "cuda":
         return _wall_time(fn, 1, 3)
+    host = 0.0
     for _ in range(warmup):
+        t0 = time.perf_counter()
         fn()
+        host = max(host, time.perf_counter() - t0)
     torch.cuda.synchronize()
-    cycles = 4_000_000 if device_only else 0  # ~2 ms at an H200's 1.98 GHz
+    cycles = int(max(4_000_000, 3 * host * 2e9)) if device_only else 0  # at an H200's 1.98 GHz
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -138,7 +163,8 @@ def section_ring() -> None:
 
     check("extension built with the CUDA backend", C.has_cuda, C.cuda_status())
     check("CUDA runtime found at run time", C.cuda_runtime_available())
-    a, b = C.CudaStream(0, -1), C.CudaStream(0, 0)
+    # torch runs work on these: streams that are never destroyed (runtime/streams.py).
+    a, b = C.process_cuda_stream(0, -1), C.process_cuda_stream(0, 0)
     sa = torch.cuda.ExternalStream(a.handle)
     sb = torch.cuda.ExternalStream(b.handle)
     x = torch.randn(4096, 4096, device="cuda")
@@ -179,6 +205,7 @@ def section_ring() -> None:
     torch.cuda.synchronize()
     back = dst[64:].view(torch.float32).view(src.shape)
     check("copy lane copies after the producer's event", torch.equal(back, src))
+    lanes.close()
 
 
 # --- kernels ----------------------------------------------------------------------
@@ -224,55 +251,137 @@ def section_kernels() -> None:
 # --- pack -------------------------------------------------------------------------
 
 
-def section_pack() -> None:
+def _odd_tensors(n: int, seed: int) -> list[torch.Tensor]:
+    """``n`` tensors of odd sizes and mixed dtypes, with values past fp8's
+    range; every fourth a strided view, every fifth one element off a 16-byte
+    boundary (both made on the device, where the kernel reads them)."""
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.float64)
+    out = []
+    for i in range(n):
+        size = int(torch.randint(0, 700 if n > 8 else 9000, (), generator=g))
+        dtype = dtypes[i % len(dtypes)]
+        t = ((torch.randn(size + 1, generator=g, dtype=torch.float64) * 300).to(dtype)).to(DEV)
+        t = t[1:] if i % 5 == 4 else t[:size]
+        if i % 4 == 3 and size >= 6:
+            t = t[: size // 2 * 2].view(2, -1).t()
+        out.append(t)
+    return out
+
+
+def _reference(t: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
+    """What ``t`` should come back as: torch's cast on the CPU, saturating
+    fp8 at ±448 as torch does from 2.13 on (earlier torch gives NaN from 480),
+    for the dtypes the kernels cast; for fp64, which its slots leave to
+    torch's cast on the device, that cast."""
+    from fastpipe.runtime.packing import wire_roundtrip
+
+    if t.dtype == torch.float64:
+        return wire_roundtrip(t, wire).cpu()
+    if wire == torch.float8_e4m3fn and t.is_floating_point():
+        t = t.clamp(-448, 448)
+    return wire_roundtrip(t.cpu(), wire)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits, except that any NaN equals any NaN."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    if a.is_floating_point():
+        nan = a.isnan()
+        if not torch.equal(nan, b.isnan()):
+            return False
+        a, b = a[~nan].view(_BITS[a.element_size()]), b[~nan].view(_BITS[b.element_size()])
+    return torch.equal(a, b)
+
+
+def _pack_checks() -> None:
+    """Bit-exact round trips and casts equal to ``_reference``'s, on the
+    kernels (in the interpreter in a rehearsal)."""
     from fastpipe import pack, unpack
+    from fastpipe.kernels import backend
 
     torch.manual_seed(0)
-    mixed = [torch.randn(3, 5, device=DEV), torch.arange(7, device=DEV),
-             torch.rand(4, device=DEV) > 0.5, torch.randn(0, 3, device=DEV),
-             torch.randn(6, 4, device=DEV).t(), torch.randn(9, device=DEV, dtype=torch.bfloat16),
-             torch.randn(5, device=DEV, dtype=torch.float16)]
-    flat, layout = pack(mixed)
-    back = unpack(flat, layout)
-    check("pack/unpack round trip is bit-exact",
-          all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(mixed, back)))
-    for wire in (torch.bfloat16, torch.float8_e4m3fn):
-        src = [torch.randn(1000, device=DEV) * 100, torch.randn(33, device=DEV, dtype=torch.float16),
-               torch.arange(5, device=DEV)]
-        flat, layout = pack(src, wire_dtype=wire)
+    with backend("triton"):
+        mixed = [torch.randn(3, 5, device=DEV), torch.arange(7, device=DEV),
+                 torch.rand(4, device=DEV) > 0.5, torch.randn(0, 3, device=DEV),
+                 torch.randn(6, 4, device=DEV).t(), torch.randn(9, device=DEV, dtype=torch.bfloat16),
+                 torch.randn(5, device=DEV, dtype=torch.float16)]
+        flat, layout = pack(mixed)
         back = unpack(flat, layout)
-        want = [t.to(wire).to(t.dtype) if t.is_floating_point() and t.element_size() > wire.itemsize else t
-                for t in src]
-        check(f"wire {str(wire).split('.')[-1]} equals torch's cast",
-              all(torch.equal(a, b) for a, b in zip(back, want)))
-    total = (1 << 20) if SMALL else (64 << 20)
-    src_one = torch.randn(total // 4, device=DEV)
+        check("pack/unpack round trip is bit-exact", all(_same(a, b) for a, b in zip(mixed, back)))
+        for wire in (torch.bfloat16, torch.float8_e4m3fn):
+            src = [torch.randn(1000, device=DEV) * 100, torch.randn(33, device=DEV, dtype=torch.float16),
+                   torch.arange(5, device=DEV)]
+            flat, layout = pack(src, wire_dtype=wire)
+            back = unpack(flat, layout)
+            check(f"wire {str(wire).split('.')[-1]} equals torch's cast",
+                  all(_same(_reference(t, wire), b.cpu()) for t, b in zip(src, back)))
+        for n in (1, 7, 64, 131) if SMALL else (1, 7, 64, 131, 512):
+            tensors = _odd_tensors(n, n)
+            wrong = []
+            for wire in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+                flat, layout = pack(tensors, wire_dtype=wire)
+                if not all(_same(_reference(t, wire), b.cpu()) for t, b in zip(tensors, unpack(flat, layout))):
+                    wrong.append(str(wire).split(".")[-1])
+            check(f"{n} tensors of odd sizes and dtypes: round trip and casts equal torch's", not wrong,
+                  f"wrong with wire {wrong}" if wrong else "")
+
+
+def _rates(label: str, n: int, ours, theirs, traffic: int, copy_rate: float) -> None:
+    """Figures for one operation: GB/s, share of the copy's bandwidth and
+    speed against ``_foreach_copy_``, from the GPU's time alone (the host's
+    work queued behind a spin kernel) and with the host's time (an idle
+    stream at the start event); on a GPU, PASS/FAIL of the GPU's time against
+    the targets for 8 and 64 tensors."""
+    t_ours, t_each = _cuda_time(ours, device_only=True), _cuda_time(theirs, device_only=True)
+    h_ours, h_each = _cuda_time(ours), _cuda_time(theirs)
+    share, speed = traffic / t_ours / copy_rate, t_each / t_ours
+    figure(f"{label} {n} tensors: share of copy bandwidth", share, "",
+           f"{traffic / t_ours / 1e9:.0f} GB/s, _foreach_copy_ {traffic / t_each / 1e9:.0f} GB/s; with the "
+           f"host's time {traffic / h_ours / copy_rate:.2f}, _foreach_copy_ {traffic / h_each / copy_rate:.2f}")
+    figure(f"{label} {n} tensors: speed vs _foreach_copy_", speed, "x", f"with the host's time {h_each / h_ours:.2f}x")
+    figure(f"{label} {n} tensors: host time per call", _host_time(ours) * 1e6, " us",
+           f"_foreach_copy_ {_host_time(theirs) * 1e6:.0f} us")
+    if DEV == "cuda" and n in (8, 64):
+        check(f"{label} {n} tensors: >= 0.85 of copy bandwidth", share >= 0.85, f"{share:.2f}")
+        check(f"{label} {n} tensors: >= 1.2x _foreach_copy_", speed >= 1.2, f"{speed:.2f}x")
+
+
+def section_pack() -> None:
+    from fastpipe import pack, unpack
+    from fastpipe.runtime.packing import _views
+
+    _pack_checks()
+    # Bandwidth, from CUDA events around each call.
+    total = (1 << 20) if SMALL else (256 << 20)
+    src_one = torch.randn(total // 2, device=DEV, dtype=torch.bfloat16)
     dst_one = torch.empty_like(src_one)
-    t_copy = _cuda_time(lambda: dst_one.copy_(src_one))
-    figure("device copy bandwidth (read+write)", 2 * total / t_copy / 1e9, " GB/s", "64 MiB copy_")
-    for n in (1, 8, 64):
-        tensors = list(torch.randn(total // 4, device=DEV).chunk(n))
+    copy_rate = 2 * total / _cuda_time(lambda: dst_one.copy_(src_one), device_only=True)
+    figure("device copy bandwidth (read+write)", copy_rate / 1e9, " GB/s", f"{total >> 20} MiB copy_")
+    del src_one, dst_one
+    for n in (1, 8, 64, 512):
+        # Plain: bf16 tensors into one buffer (unpacking them is views).
+        tensors = list(torch.randn(total // 2, device=DEV, dtype=torch.bfloat16).chunk(n))
         flat, layout = pack(tensors)
         views = unpack(flat, layout)
-        t_pack = _cuda_time(lambda: pack(tensors, out=flat))
-        t_each = _cuda_time(lambda: torch._foreach_copy_(views, tensors))
-        figure(f"pack {n} tensors: share of copy bandwidth", t_copy / t_pack, "",
-               f"target >= 0.85; {2 * total / t_pack / 1e9:.0f} GB/s")
-        figure(f"pack {n} tensors: speed vs _foreach_copy_", t_each / t_pack, "x", "target >= 1.2 for 8+")
-        # The same, split: the GPU's own time (host work hidden behind a spin
-        # kernel) and the host's time per call.
-        t_dev = _cuda_time(lambda: pack(tensors, out=flat), device_only=True)
-        t_each_dev = _cuda_time(lambda: torch._foreach_copy_(views, tensors), device_only=True)
-        figure(f"pack {n} tensors: GPU time alone, share of copy bandwidth", t_copy / t_dev, "",
-               f"_foreach_copy_ {t_copy / t_each_dev:.2f}")
-        figure(f"pack {n} tensors: host time per call", _host_time(lambda: pack(tensors, out=flat)) * 1e6, " us",
-               f"_foreach_copy_ {_host_time(lambda: torch._foreach_copy_(views, tensors)) * 1e6:.0f} us")
-        halves = list(torch.randn(total // 4, device=DEV).chunk(n))
-        flat16, layout16 = pack(halves, wire_dtype=torch.bfloat16)
-        t_cast = _cuda_time(lambda: pack(halves, wire_dtype=torch.bfloat16, out=flat16))
-        t_uncast = _cuda_time(lambda: unpack(flat16, layout16))
-        figure(f"pack {n} tensors to bf16 wire", 1.5 * total / t_cast / 1e9, " GB/s",
-               f"unpack back to fp32 {1.5 * total / t_uncast / 1e9:.0f} GB/s")
+        _rates("pack", n, lambda: pack(tensors, out=flat), lambda: torch._foreach_copy_(views, tensors),
+               2 * total, copy_rate)
+        del tensors, flat, views
+        # Cast: fp32 tensors to a bf16 wire and back (4 + 2 bytes an element moved).
+        floats = list(torch.randn(total // 6, device=DEV).chunk(n))
+        flat, layout = pack(floats, wire_dtype=torch.bfloat16)
+        wires = _views(flat, layout)
+        decoded = [torch.empty_like(t) for t in floats]
+        _rates("pack to bf16 wire,", n, lambda: pack(floats, wire_dtype=torch.bfloat16, out=flat),
+               lambda: torch._foreach_copy_(wires, floats), total // 6 * 6, copy_rate)
+        _rates("unpack from bf16 wire,", n, lambda: unpack(flat, layout),
+               lambda: torch._foreach_copy_(decoded, wires), total // 6 * 6, copy_rate)
+        del floats, flat, wires, decoded
 
 
 # --- local ------------------------------------------------------------------------
@@ -522,8 +631,109 @@ def section_recompute() -> None:
         figure(f"recompute {name}: fwd+bwd time", t_ours / t_plain, "x plain")
 
 
-SECTIONS = {"ring": section_ring, "local": section_local, "grads": section_grads, "pack": section_pack,
-            "kernels": section_kernels, "recompute": section_recompute}
+# --- rebuild, soak ------------------------------------------------------------------
+
+
+# --- gpt ---------------------------------------------------------------------------
+
+# name: (GPT sizes, batch, microbatches), bf16 autocast. gpu-bound: ~100M
+# parameters, 2,048 tokens a microbatch; launch-bound: small matrices, so
+# kernel launches and the host's Python set the pace.
+GPT_SHAPES = {
+    "gpu-bound": (dict(vocab=32000, d=768, heads=12, blocks=10, seq=1024), 16, 8),
+    "launch-bound": (dict(vocab=8192, d=256, heads=4, blocks=10, seq=256), 16, 8),
+}
+GPT_SHAPES_SMALL = {"gpu-bound": (dict(vocab=64, d=32, heads=2, blocks=2, seq=16), 8, 4)}
+GPT_TARGET = {"gpu-bound": 1.0, "launch-bound": 1.05}
+GPT_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
+
+
+def section_gpt() -> None:
+    """The GPT workload (tests.models.gpt) on two local ranks on one device,
+    bf16 autocast: each schedule's step time against the same microbatches
+    run sequentially on one stream (in turns), its peak memory, gradients
+    against the sequential model's in fp32; and (I+W)/B of one block pair."""
+    from bench.iw_split import measure
+    from fastpipe import Pipe
+    from tests.models import Block, gpt, gpt_batch, lm_loss
+
+    devices = [DEV, DEV] if DEV == "cpu" else ["cuda:0", "cuda:0"]
+    amp = torch.autocast(DEV, dtype=torch.bfloat16)
+    for label, (sizes, batch, chunks) in (GPT_SHAPES_SMALL if SMALL else GPT_SHAPES).items():
+        ids, tg = (t.to(DEV) for t in gpt_batch(batch, sizes["vocab"], sizes["seq"]))
+        seq_model = gpt(dtype=torch.float32, **sizes).to(DEV)
+
+        def sequential():
+            for a, b in zip(ids.tensor_split(chunks), tg.tensor_split(chunks)):
+                with amp:
+                    loss = lm_loss(seq_model(a), b) / chunks
+                loss.backward()
+
+        peak = {}
+        for schedule in GPT_SCHEDULES:
+            spr = 2 if schedule in ("zbv", "dualpipev") else None
+            model = gpt(dtype=torch.float32, **sizes).to(DEV)
+            pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices, stages_per_rank=spr)
+
+            def step():
+                with amp:
+                    pipe.step(ids, tg, lm_loss)
+
+            if schedule in ("1f1b", "zbv"):  # the same gradients, to bf16 rounding
+                for p in seq_model.parameters():
+                    p.grad = None
+                sequential()
+                step()
+                worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+                            for p, q in zip(model.parameters(), seq_model.parameters()))
+                check(f"gpt {label} {schedule}: gradients equal the sequential model's (bf16 autocast)",
+                      worst < 5e-2, f"largest relative difference {worst:.1e}")
+            times = round_robin_medians({"seq": sequential, "pipe": step}, warmup=2, rounds=5,
+                                        sync=_sync, per_round=2)
+            ratio = times["pipe"] / times["seq"]
+            figure(f"gpt {label} {schedule}: pipeline / sequential step time", ratio, "",
+                   f"sequential {times['seq'] * 1e3:.1f} ms")
+            if DEV == "cuda":
+                check(f"gpt {label} {schedule}: step time <= {GPT_TARGET[label]} x sequential",
+                      ratio <= GPT_TARGET[label], f"{ratio:.3f}")
+                _sync()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                step()
+                _sync()
+                peak[schedule] = torch.cuda.max_memory_allocated() - base
+                figure(f"gpt {label} {schedule}: peak memory of a step over what was live", peak[schedule] / 2**30,
+                       " GiB")
+            pipe.close()
+            del pipe, model
+        if peak:
+            check(f"gpt {label}: zbv peak memory <= 1.1 x 1f1b's", peak["zbv"] <= 1.1 * peak["1f1b"],
+                  f"{peak['zbv'] / peak['1f1b']:.2f}")
+        del seq_model
+        d, heads = sizes["d"], sizes["heads"]
+        b, i, w = measure(lambda: nn.Sequential(Block(d, heads), Block(d, heads)),
+                          (batch // chunks, sizes["seq"], d), 5 if SMALL else 20, DEV, bf16=True)
+        figure(f"gpt {label}: (I+W)/B of two blocks, bf16", (i + w) / b, "",
+               f"B {b * 1e3:.2f} ms, I {i * 1e3:.2f} ms, W {w * 1e3:.2f} ms")
+        if DEV == "cuda":
+            check(f"gpt {label}: (I+W)/B <= 1.05", (i + w) / b <= 1.05, f"{(i + w) / b:.3f}")
+
+
+def section_rebuild() -> None:
+    from bench._lifecycle import rebuild
+
+    rebuild(DEV, SMALL, check, figure)
+
+
+def section_soak() -> None:
+    from bench._lifecycle import soak
+
+    soak(DEV, SMALL, check, figure)
+
+
+SECTIONS = {"ring": section_ring, "gpt": section_gpt, "local": section_local, "grads": section_grads, "pack": section_pack,
+            "kernels": section_kernels, "recompute": section_recompute, "rebuild": section_rebuild,
+            "soak": section_soak}
 
 
 def main(argv=None) -> int:

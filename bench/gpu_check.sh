@@ -3,7 +3,8 @@
 # it the build): build fastpipe's extension there (with its CUDA
 # backend), run the native ring's tests, then every CUDA figure and check in
 # bench/gpu_check.py (ring, a 2-rank local pipeline on cuda:0, gradients of
-# every schedule on the GPU, packing, Triton kernels, selective recompute).
+# every schedule on the GPU, packing, Triton kernels, selective recompute,
+# Pipes rebuilt over one model, a 200-step soak).
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
 #   SECTIONS="ring local" bash bench/gpu_check.sh
@@ -18,7 +19,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-SECTIONS=${SECTIONS:-"ring local grads pack kernels recompute"}
+SECTIONS=${SECTIONS:-"ring gpt local grads pack kernels recompute rebuild soak"}
 LOG=${OUT:-/tmp}/gpu_check_build.log
 status=0
 t_start=$(date +%s)
@@ -59,7 +60,8 @@ timeout -k 5 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_host_ring.p
 echo "  (ring tests done at $(( $(date +%s) - t_start )) s)"
 
 # Seconds each section may take before it dumps its stacks and ends.
-declare -A LIMIT=([ring]=30 [local]=140 [grads]=45 [pack]=30 [kernels]=60 [recompute]=30)
+declare -A LIMIT=([ring]=30 [gpt]=120 [local]=140 [grads]=45 [pack]=45 [kernels]=60 [recompute]=30
+              [rebuild]=60 [soak]=90)
 for section in $SECTIONS; do
     limit=${LIMIT[$section]:-60}
     timeout -k 5 $((limit + 10)) "$PY" -m bench.gpu_check --sections "$section" --deadline "$limit" \

@@ -35,6 +35,13 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("priority", &CudaStream::priority)
       .def("synchronize", &CudaStream::synchronize, py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "process_cuda_stream",
+      [](int device, int priority) { return &process_stream(device, priority); },
+      py::arg("device"), py::arg("priority") = 0, py::return_value_policy::reference,
+      "A new CudaStream that is never destroyed: it lives until the process exits (streams "
+      "torch ran work on must; fastpipe/runtime/streams.py leases them out).");
+
   py::class_<CudaEvent>(m, "CudaEvent")
       .def(py::init<>())
       .def(

@@ -1,6 +1,8 @@
 // CUDA streams and events owned by fastpipe.
 #include "cuda_lane.h"
 
+#include <mutex>
+
 #include "checks.h"
 
 namespace fastpipe {
@@ -35,6 +37,17 @@ CudaStream::CudaStream(int device, int priority) : device_(device), priority_(pr
 
 CudaStream::~CudaStream() {
   if (stream_ != nullptr) cuda_api().StreamDestroy(stream_);
+}
+
+CudaStream& process_stream(int device, int priority) {
+  // Both leaked on purpose: no destructor at exit, and LeakSanitizer sees
+  // the streams as reachable from a global.
+  static auto* mutex = new std::mutex;
+  static auto* streams = new std::vector<CudaStream*>;
+  auto* stream = new CudaStream(device, priority);  // throws before anything is kept
+  std::lock_guard<std::mutex> lock(*mutex);
+  streams->push_back(stream);
+  return *stream;
 }
 
 void CudaStream::synchronize() const {

@@ -12,6 +12,8 @@ namespace fastpipe {
 // A stream created by fastpipe with a chosen priority, rather than borrowed
 // from torch's pool of 32 per device, which hands the same stream to
 // unrelated users. Its handle goes to torch as torch.cuda.ExternalStream.
+// The destructor destroys the stream: only for streams torch never ran work
+// on. Lanes take theirs from process_stream(), which never destroys one.
 class CudaStream {
  public:
   CudaStream(int device, int priority);
@@ -29,6 +31,13 @@ class CudaStream {
   int device_;
   int priority_;
 };
+
+// A new stream that lives until the process exits: never destroyed, not even
+// by static destructors or the interpreter's teardown, because torch keeps
+// the handles of streams it ran work on (autograd nodes, caching-allocator
+// blocks) where fastpipe cannot clear them. Reuse (leasing) is Python's
+// job: fastpipe/runtime/streams.py, which also argues the design.
+CudaStream& process_stream(int device, int priority);
 
 // An event without timing (cheaper to record and wait on).
 class CudaEvent {

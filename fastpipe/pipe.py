@@ -117,20 +117,18 @@ class Pipe(nn.Module):
         plan: a ``fastpipe.plan(...)`` result: its chunks, schedule, balance,
             stages_per_rank and checkpoint mode are used (an explicit,
             non-default value that disagrees with the plan is an error).
-        fused_wgrad: accumulate the weight gradient of each ``nn.Linear``
-            straight into ``.grad`` with one ``addmm_`` (and its bias's with
-            one sum), instead of autograd's fresh gradient matrix plus an
-            add: on CPUs with few rows per microbatch that extra memory
-            traffic is most of a Linear's backward (8 MLP blocks of width
-            512: a sequential fwd+bwd 18 % faster). Narrow layers lose: the
-            graph walk it adds costs more than it saves there, and in local
-            mode that Python slows the other ranks' forwards (GIL). Gradients
-            are the same up to float rounding. Off by default also because it
-            skips hooks registered on the parameters' AccumulateGrad nodes
+        fused_wgrad: B (not only a zero-bubble schedule's W) runs the
+            weight gradients of layers with a rule (``nn.Linear``,
+            ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.Embedding``, registered
+            ones) as deferred work (``fastpipe.runtime.deferred``): each
+            Linear's accumulated straight into ``.grad`` with one ``addmm_``,
+            gathered over microbatches while that holds less memory than the
+            weight, instead of autograd's fresh gradient matrix plus an add.
+            Gradients are the same up to float rounding. Off by default:
+            it skips hooks registered on the parameters' AccumulateGrad nodes
             (``grad_fn`` level, e.g. DDP's); parameters with tensor hooks
-            (``register_hook``, ``register_post_accumulate_grad_hook``) and
-            Linears in other forms (weights used twice, ``alpha``/``beta``
-            != 1, mixed dtypes under autocast) keep autograd's path.
+            (``register_hook``, ``register_post_accumulate_grad_hook``) keep
+            autograd's path.
         shm: distributed mode on one host: move messages through rings in
             shared memory instead of gloo's loopback sockets (each gloo
             message wakes two threads; on the 2-core benchmark machine the
@@ -270,7 +268,7 @@ class Pipe(nn.Module):
         # are, and a pipeline mixing CPUs and GPUs uses blocking .to() copies.
         # (_copies=True forces the copy path on CPUs, with host lanes: tests.)
         self._copies = not self.distributed and all(d.type == "cuda" for d in self.devices)
-        self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once
+        self._device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once (until close())
         # GIL switch interval during a local step with several ranks; None
         # leaves the interpreter's own (runtime/threads.py: measured, no clear gain).
         self._switch_interval: float | None = None
@@ -891,13 +889,19 @@ class Pipe(nn.Module):
             work.wait()
 
     def close(self) -> None:
-        """Stops the pipe's lanes of the native ring (also done at interpreter exit)."""
+        """Stops the pipe's lanes of the native ring (also done at interpreter exit)
+        and gives its CUDA streams back to the process's pool, which keeps them:
+        torch may still refer to them (``runtime/streams.py``). A later step
+        makes both afresh."""
         try:
             self._finish_loss_broadcast()
         finally:
             if self._ring is not None:
                 self._ring.close()
                 self._ring = None
+            for lanes in self._device_lanes.values():
+                lanes.close()
+            self._device_lanes.clear()
 
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "

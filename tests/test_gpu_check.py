@@ -20,8 +20,11 @@ def test_gpu_check_rehearsal_runs_every_section(tmp_path):
     assert result["checks"] and all(result["checks"].values())
     # Every section reported figures.
     names = " ".join(result["figures"])
-    for word in ("copy bandwidth", "pipeline / sequential", "step time per action", "recompute"):
+    for word in ("copy bandwidth", "pipeline / sequential", "step time per action", "recompute",
+                 "soak zbv: step time"):
         assert word in names
+    # The rebuild sequence ran to its end (its last check compares the parameters).
+    assert any(k.startswith("gpt fp64: parameters after") for k in result["checks"])
 
 
 def test_gpu_check_refuses_unknown_sections():

@@ -18,9 +18,12 @@ A transfer between two ranks of one process then reads
         ──record()──► the slot's fence: the next copy into it waits for it
 
 **CUDA** (:class:`CudaLanes`): the compute and copy lanes are CUDA streams the
-native ring creates and owns (``fastpipe._C.CudaStream``, non-blocking; not
-torch's pooled streams, which hand the same stream to unrelated users), given
-to torch as ``torch.cuda.ExternalStream`` so the stage's kernels run on them.
+native ring creates (``fastpipe._C.CudaStream``, non-blocking; not torch's
+pooled streams, which hand the same stream to unrelated users), given to
+torch as ``torch.cuda.ExternalStream`` so the stage's kernels run on them.
+They are leased from the process's pool (``runtime/streams.py``) and given
+back by ``close()``, never destroyed: torch keeps their handles in autograd
+nodes and allocator blocks that may outlive the Pipe.
 The copy lane has the higher priority, so a transfer is not queued behind a
 long kernel. Events are ``fastpipe._C.CudaEvent`` (cudaEventRecord,
 cudaStreamWaitEvent); copies are cudaMemcpyPeerAsync. Nothing here blocks the
@@ -39,11 +42,13 @@ is how the copy path is tested without a GPU.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from fastpipe._ext import native
+from fastpipe.runtime.streams import cuda_streams
 
 Regions = Sequence[tuple[torch.Tensor, int]]  # (contiguous source, byte offset in dst)
 
@@ -90,6 +95,9 @@ class HostLanes:
     def exit_to_caller(self) -> None:
         """Step end: the caller's later work follows the compute lane (host: already done)."""
 
+    def close(self) -> None:
+        """Nothing to give back: the ring is the Pipe's."""
+
 
 _PEERS: set[tuple[int, int]] = set()  # (source, destination) GPUs with peer access asked for
 
@@ -104,7 +112,11 @@ def _enable_peer_access(src: int, dst: int) -> None:
 
 
 class CudaLanes:
-    """CUDA backend: a compute stream and a copy stream on ``device``, owned by fastpipe.
+    """CUDA backend: a compute stream and a copy stream on ``device``, leased by fastpipe.
+
+    The streams come from the process's pool (:func:`~fastpipe.runtime.streams.cuda_streams`)
+    and go back to it on ``close()`` or when the lanes are collected; they are
+    never destroyed (``runtime/streams.py`` says why).
 
     Args:
         device: a CUDA device.
@@ -127,11 +139,17 @@ class CudaLanes:
         self.device = torch.device("cuda", self.index)
         if copy_priority is None:
             copy_priority = C.cuda_priority_range(self.index)[1]
+        pool = cuda_streams()
         with torch.cuda.device(self.index):
-            self.compute_stream = C.CudaStream(self.index, compute_priority)
-            self.copy_stream = C.CudaStream(self.index, copy_priority)
-        if single_stream:  # no copy lane: copies queue behind compute ("ring off")
-            self.copy_stream = self.compute_stream
+            self.compute_stream = pool.acquire(self.index, "compute", compute_priority)
+            try:  # no copy lane with single_stream: copies queue behind compute ("ring off")
+                self.copy_stream = (self.compute_stream if single_stream
+                                    else pool.acquire(self.index, "copy", copy_priority))
+            except BaseException:
+                pool.release(self.compute_stream)
+                raise
+        leased = list(dict.fromkeys([self.compute_stream, self.copy_stream]))
+        self._release = weakref.finalize(self, _give_back, pool, leased)
         # torch launches on them through these views; the streams stay ours.
         self._torch_compute = torch.cuda.ExternalStream(self.compute_stream.handle, device=self.device)
 
@@ -195,6 +213,17 @@ class CudaLanes:
         event = self.record()
         with torch.cuda.device(self.index):  # as above: handle 0 is per device
             event.wait_handle(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def close(self) -> None:
+        """Gives the streams back to the pool (once; also done when the lanes
+        are collected). Work still queued on them runs first: the next owner's
+        work queues behind it. These lanes must not be used afterwards."""
+        self._release()
+
+
+def _give_back(pool, streams) -> None:
+    for stream in streams:
+        pool.release(stream)
 
 
 def _spans(regions: Regions) -> tuple[list[int], list[int], list[int]]:
