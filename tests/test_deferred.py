@@ -122,6 +122,42 @@ def test_frozen_parameters_and_hooks_keep_autograd():
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
 
 
+def test_what_a_layer_defers_is_read_again_each_step_and_for_a_swapped_parameter():
+    """A layer's plan (which parameters train, hooks) is made once per step:
+    a hook or a freeze between steps is seen by the next one, and another
+    parameter object put into the layer mid-step gets W of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    _, count, _ = _split(model, x.clone().requires_grad_(), fuse=False)
+    assert count == 2
+    seen = []
+    model[0].weight.register_hook(lambda g: seen.append(g))
+    model[2].weight.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    _, count, after_i = _split(model, x.clone().requires_grad_(), fuse=False)
+    assert count == 1 and after_i["0.weight"] and len(seen) == 1  # model[2]: bias only
+    assert model[2].weight.grad is None and model[2].bias.grad is not None
+
+    layer = nn.Linear(4, 4).double()
+    replica = nn.Parameter(layer.weight.detach().clone())
+    original = layer.weight
+    layers = deferred.install(layer)
+    try:
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            a = layer(x)
+            layer._parameters["weight"] = replica  # as local ties swap a replica in
+            b = layer(x)
+            layer._parameters["weight"] = original
+        deferred.backward_input([a, b], [torch.ones_like(a), 2 * torch.ones_like(b)], [],
+                                [original, replica, layer.bias], pending)
+        deferred.run_weight(pending.entries, fuse=False)
+    finally:
+        deferred.uninstall(layers)
+    torch.testing.assert_close(replica.grad, 2 * original.grad, rtol=0, atol=0)
+
+
 class Scale(nn.Module):
     """``x * w``: a user's layer with a weight."""
 

@@ -8,23 +8,24 @@ Megatron's ``delay_wgrad_compute``: while a stage runs forward under a
 split schedule, every layer with a rule (``nn.Linear``, ``nn.LayerNorm``,
 ``nn.RMSNorm``, ``nn.Embedding``, and what users register) calls its usual
 functional op with its parameters *detached*, so autograd's node for it
-computes the input gradient only, and a hook on the layer's output hands
-the output gradient, when I reaches it, to the microbatch's
-:class:`Pending` list together with what the rule kept for W. ``I`` is one
-ordinary engine call over the stage; ``W`` runs the list:
+computes the input gradient only, and appends to the microbatch's
+:class:`Pending` what the rule kept for W and the graph edge of its output.
+``I`` is one ordinary engine call over the stage that also returns the
+gradient at each of those edges (extra outputs: no Python runs inside the
+engine); ``W`` runs the list:
 
     F:  x ─► linear(x, W.detach()) ─► ... ─► out        ops as usual, no
-                 └─ hook: keep x                        weight edges
+                 └─ entry: x, out's edge                weight edges
     I:  g ─► dx ─► ... ─► dx                            one engine call; each
-              └─ (Linear, x, g) appended                hook appends
+              └─ entry.g = gradient at out's edge       entry gets its g
     W:  for each entry: W.grad += gᵀx, ...              no graph, no engine
 
 No graph is kept for W and no second walk of it happens; the per-layer
-Python is a hook, not an ``autograd.Function``. What W keeps is what
-autograd would have saved for the weight gradient (the input, in the dtype
-autocast computes in), booked by the executor. A parameter whose layer has
-no rule (or that a hook watches) gets its gradient in ``I`` from autograd,
-as in a plain backward: correct, just not deferred.
+Python is a small ``forward`` wrapper, not an ``autograd.Function``. What W
+keeps is what autograd would have saved for the weight gradient (the input,
+in the dtype autocast computes in), booked by the executor. A parameter
+whose layer has no rule (or that a hook watches) gets its gradient in ``I``
+from autograd, as in a plain backward: correct, just not deferred.
 
 Rounding: the forward and the input gradient are autograd's own ops; the
 weight gradients are what autograd's formulas compute, in the dtype it
@@ -35,16 +36,18 @@ and Linears of several microbatches may be gathered into one GEMM
 GEMM, as for the unsplit batch. ``run_weight(fuse=False)`` keeps
 autograd's rounding exactly (``mm`` per microbatch, then ``add_``).
 
-What keeps the plain backward (checked per call, so nothing is wrong, only
+What keeps the plain backward (read at a layer's first call of each step, so nothing is wrong, only
 undeferred): grad mode off, a call with extra arguments, a parameter with
 tensor or post-accumulate hooks, an ``nn.Embedding`` with ``max_norm`` or
 sparse gradients, layers inside a module compiled with ``torch.compile``
-(Dynamo traces the class ``forward`` and cannot capture a hook's Python
-side effect), and a module whose ``forward`` the user set on the instance.
+(Dynamo traces the class ``forward``, not the wrapper set on the instance,
+and could not capture its appends to a Python list), and a module whose
+``forward`` the user set on the instance.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -138,7 +141,7 @@ def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
 # --- the entries W runs ---------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     """One layer call's weight-gradient work."""
 
@@ -147,7 +150,7 @@ class Entry:
     saved: tuple[torch.Tensor, ...]
     meta: Any
     g: torch.Tensor | None  # the output's gradient, once I has run
-    layer: int  # id of the module: entries of one layer gather together
+    layer: int  # id of the module: its entries into the same parameters gather together
 
     @property
     def nbytes(self) -> int:
@@ -247,9 +250,9 @@ def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
     ``fuse=False`` keeps autograd's own rounding: one entry at a time, each
     fresh gradient added to ``.grad`` as AccumulateGrad adds it.
     """
-    groups: dict[int, list[Entry]] = {}
-    for e in entries:
-        groups.setdefault(e.layer, []).append(e)
+    groups: dict[tuple, list[Entry]] = {}
+    for e in entries:  # one layer's calls into the same parameters (not a swapped-in replica's)
+        groups.setdefault((e.layer, *map(id, e.params)), []).append(e)
     chain = native_chain()
     if chain is not None:  # the built-in rules' W in C++, without the GIL
         items = [[e.rule.native(e, chain) for e in group] for group in groups.values()]
@@ -374,12 +377,22 @@ def collecting(pending: Pending) -> Iterator[Pending]:
 class _Forward:
     """A layer's ``forward`` while a stage defers: the rule's split where the
     call can defer, the layer class's own ``forward`` otherwise. Set on the
-    instance (``install``); counts the stages that installed it."""
+    instance (``install``); counts the stages that installed it.
+
+    What a call needs of its parameters (which train, detached aliases,
+    whether the rule accepts the layer, hooks) is worked out once per step
+    and parameter set (``plan``, reset by ``install``): the F of a small
+    layer is a few microseconds, and per-call Python of that order made a
+    split schedule's forward a third slower on small blocks. A parameter
+    swapped in for one call (a tie's replica in local mode) makes a plan of
+    its own; hooks added in the middle of a step are seen from the next."""
 
     def __init__(self, module: nn.Module, rule: WeightRule) -> None:
         self.module, self.rule, self.users = module, rule, 0
         self.plain = type(module).forward.__get__(module)
         self.layer = id(module)
+        # (params, targets, detached params or None where the call cannot defer)
+        self.plan: tuple | None = None
 
     def __call__(self, x, *args, **kwargs):
         pending = getattr(_state, "pending", None)
@@ -387,20 +400,30 @@ class _Forward:
             return self.plain(x, *args, **kwargs)
         module, rule = self.module, self.rule
         params = rule.params(module)
-        # W accumulates into the parameters called with (a replica swapped in
-        # for this call, under local ties), not whatever the module holds later.
-        targets = tuple(p if p is not None and p.requires_grad else None for p in params)
-        if not any(t is not None for t in targets) or not rule.accepts(module) or any(
-                p._backward_hooks or p._post_accumulate_grad_hooks is not None
-                for p in targets if p is not None):
-            return self.plain(x, *args, **kwargs)
-        out, kept, meta = rule.forward(module, x, tuple(p.detach() if p is not None else None
-                                                        for p in params))
+        plan = self.plan
+        if plan is None or len(plan[0]) != len(params) or not all(map(operator.is_, params, plan[0])):
+            plan = self.plan = self._prepare(params)
+        _, targets, detached = plan
+        if detached is None:
+            return self.plain(x)
+        out, kept, meta = rule.forward(module, x, detached)
         if not out.requires_grad:  # nothing before it wants a gradient: a leaf of its own
             out.requires_grad_()
         pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer))
-        pending.edges.append(get_gradient_edge(out))
+        fn = out.grad_fn
+        pending.edges.append(GradientEdge(fn, out.output_nr) if fn is not None and not isinstance(
+            fn, torch._C._FunctionBase) else get_gradient_edge(out))
         return out
+
+    def _prepare(self, params: tuple) -> tuple:
+        # W accumulates into the parameters called with (a replica swapped in
+        # for this call, under local ties), not whatever the module holds later.
+        targets = tuple(p if p is not None and p.requires_grad else None for p in params)
+        ok = any(t is not None for t in targets) and self.rule.accepts(self.module) and not any(
+            p._backward_hooks or p._post_accumulate_grad_hooks is not None
+            for p in targets if p is not None)
+        detached = tuple(p.detach() if p is not None else None for p in params) if ok else None
+        return params, targets, detached
 
 
 def install(root: nn.Module) -> list[nn.Module]:
@@ -418,6 +441,7 @@ def install(root: nn.Module) -> list[nn.Module]:
         elif not isinstance(fwd, _Forward):
             continue  # the user's own forward on this instance: keep it
         fwd.users += 1
+        fwd.plan = None  # a new step: parameters, hooks and flags read afresh
         done.append(m)
     return done
 
@@ -428,6 +452,7 @@ def uninstall(layers: list[nn.Module]) -> None:
         fwd = m.__dict__.get("forward")
         if isinstance(fwd, _Forward):
             fwd.users -= 1
+            fwd.plan = None  # no parameter kept alive by a plan between steps
             if fwd.users == 0:
                 del m.__dict__["forward"]
     layers.clear()
@@ -448,6 +473,8 @@ def _modules_outside_compiled(root: nn.Module) -> Iterator[nn.Module]:
 
 def _amp_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype active for ``x``'s device, or None."""
+    if not torch._C._is_any_autocast_enabled():  # one call where autocast is off
+        return None
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
