@@ -7,11 +7,13 @@ MLP, final LayerNorm and vocabulary head, next-token cross-entropy); ``mlp``
 is a stack of Linear/GELU/Linear blocks (MSE). Each comes in a
 compute-bound size (arithmetic dominates) and an overhead-bound one
 (per-op framework cost dominates). Every library gets the same layers per
-stage (``balance``), so ratios compare schedules and runtimes, not splits.
+stage (``Workload.balance``), so ratios compare schedules and runtimes, not
+splits.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,6 +67,19 @@ class Workload:
         return (f"{self.sizes['blocks']} MLP blocks d={self.sizes['width']}, batch {self.batch}, "
                 f"{self.chunks} microbatches")
 
+    def balance(self, schedule) -> list[int]:
+        """Layers per stage for ``schedule`` (a ``fastpipe.schedules.Schedule``):
+        the measured layer times split as ``Pipe(balance="auto")`` splits
+        them (``fastpipe._plan.balance_for``: even stages, or where a rank
+        runs several, the split whose simulated step is shortest). Even layer
+        counts would put a V's embedding and head (first and last stage) on
+        one rank beside two blocks and leave the other rank four. Made in
+        the parent process and handed to every rank and library, so all
+        run one split."""
+        from fastpipe._plan import balance_for
+
+        return balance_for(_profile(self.name), schedule)
+
     def sequential_step(self) -> Callable[[], None]:
         """fwd+bwd of the unsplit model over the same microbatches."""
         model, (x, y), loss_fn = self.build(), self.data(), self.loss_fn
@@ -85,6 +100,21 @@ WORKLOADS = {
         Workload("mlp", "overhead", dict(width=128, blocks=8), 64, 16),
     )
 }
+
+
+@functools.cache
+def _profile(name: str):
+    """Each layer's measured forward, backward, I and W at one microbatch, one thread."""
+    from fastpipe.balance import profile
+
+    w = WORKLOADS[name]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, _ = w.data()
+        return profile(w.build(), x, "cpu", w.chunks)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def selected(args) -> list[Workload]:

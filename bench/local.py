@@ -51,7 +51,7 @@ def _torchgpipe_step(w: Workload):
         from torchgpipe import GPipe
     except ImportError:
         return None
-    gpipe = GPipe(w.build(), balance=balance(w, 2), devices=["cpu", "cpu"], chunks=w.chunks,
+    gpipe = GPipe(w.build(), balance=balance(w, "gpipe"), devices=["cpu", "cpu"], chunks=w.chunks,
                   checkpoint="never")
     loss_fn = w.loss_fn
 
@@ -69,7 +69,7 @@ def _two_threads_step(w: Workload):
     import threading
 
     model = w.build()
-    half = len(model) // 2
+    half = balance(w, "1f1b")[0]
     parts = [model[:half], model[half:]]
     x, _ = w.data()
     with torch.no_grad():
@@ -116,7 +116,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
         spr = 2 if schedule in TWO_STAGES else None
         for f in variants:
             pipes.append(Pipe(w.build(), chunks=w.chunks, schedule=schedule,
-                              balance=balance(w, 2 * (spr or 1)),
+                              balance=balance(w, schedule),
                               devices=["cpu", "cpu"], stages_per_rank=spr, fused_wgrad=f))
             name = schedule + (FUSED if f else "")
             runners[name] = functools.partial(pipes[-1].step, x, y, w.loss_fn)

@@ -20,8 +20,9 @@ does the same (the model as one stage of a one-rank fused Pipe), since the
 work itself is cheaper; torch/fused is plain throughput.
 
 The workloads (``bench._workloads``): a GPT first, then the MLP stack, each
-compute-bound and overhead-bound; both libraries get equal layer counts
-per stage.
+compute-bound and overhead-bound; both libraries get the same layers per
+stage: the measured layer times split as ``Pipe(balance="auto")`` splits
+them (``Workload.balance``; the report prints it).
 
     python -m bench pipelining [--model gpt|mlp|both] [--workload compute|overhead|both]
                                [--repeats N] [--fused-wgrad]
@@ -30,6 +31,7 @@ per stage.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -44,12 +46,12 @@ TWO_STAGES = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"}
 V_SHAPED = {"zbv", "dualpipev"}
 
 
-def balance(w: Workload, stages: int) -> list[int]:
-    """Layers per stage, as torch.distributed.pipelining splits them: equal counts."""
-    layers = len(w.build())
-    if layers % stages:
-        raise ValueError(f"{w.name}: {layers} layers do not split into {stages} equal stages")
-    return [layers // stages] * stages
+def balance(w: Workload, schedule: str, ranks: int = 2) -> list[int]:
+    """The split both libraries run for ``schedule`` (``Workload.balance``)."""
+    from fastpipe.schedules import build
+
+    spr = 2 if schedule in TWO_STAGES else 1
+    return w.balance(build(schedule, ranks, w.chunks, stages_per_rank=spr))
 
 
 def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
@@ -60,7 +62,7 @@ def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
     return [rank]
 
 
-def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn):
+def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn, bal):
     from torch.distributed import pipelining as pp
 
     classes = {
@@ -73,9 +75,9 @@ def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn):
     }
     ids = _torch_stage_ids(schedule, rank, ranks)
     n_stages = ranks * len(ids)
-    per = len(model) // n_stages
+    bounds = [0, *itertools.accumulate(bal)]
     stages = [
-        pp.PipelineStage(model[s * per : (s + 1) * per], s, n_stages, torch.device("cpu"))
+        pp.PipelineStage(model[bounds[s] : bounds[s + 1]], s, n_stages, torch.device("cpu"))
         for s in ids
     ]
     cls = classes[schedule]
@@ -91,18 +93,18 @@ def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn):
     return step
 
 
-def _alone_time(w: Workload, rank, world, warmup, repeats) -> float:
+def _alone_time(w: Workload, rank, world, warmup, repeats, bal) -> float:
     """Each rank runs its share of the layers over every microbatch with no
     messages and no dependencies, at the same time as the other ranks: the
     machine's own ceiling for the ranks side by side (shared caches, memory
     bandwidth, one core each), which a pipeline's bubble and transfers only
     lower. A rank's input is what its first layer gets in the real model."""
     model = w.build()
-    per = len(model) // world
-    part = model[rank * per : (rank + 1) * per]
+    bounds = [0, *itertools.accumulate(bal)]
+    part = model[bounds[rank] : bounds[rank + 1]]
     x, _ = w.data()
     with torch.no_grad():
-        x = model[: rank * per](x)
+        x = model[: bounds[rank]](x)
     xs = x.tensor_split(w.chunks)
 
     def step():
@@ -113,7 +115,7 @@ def _alone_time(w: Workload, rank, world, warmup, repeats) -> float:
                                per_round=3)["alone"]
 
 
-def _rank_main(rank, world, init, queue, name, schedules, warmup, repeats, fused=False):
+def _rank_main(rank, world, init, queue, name, balances, ceiling, warmup, repeats, fused=False):
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
@@ -123,10 +125,9 @@ def _rank_main(rank, world, init, queue, name, schedules, warmup, repeats, fused
     x, y = w.data()
     rows = {}
     try:
-        rows["alone"] = _alone_time(w, rank, world, warmup, repeats)
-        for schedule in schedules:
+        rows["alone"] = _alone_time(w, rank, world, warmup, repeats, ceiling)
+        for schedule, bal in balances.items():
             spr = 2 if schedule in TWO_STAGES else None
-            bal = balance(w, world * (spr or 1))
             pipes = [Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
                           stages_per_rank=spr, overlap=overlap, shm=shm)
                      for overlap, shm in ((False, None), (False, False), (True, None))]
@@ -139,7 +140,7 @@ def _rank_main(rank, world, init, queue, name, schedules, warmup, repeats, fused
             theirs = None
             try:
                 runners["theirs"] = functools.partial(
-                    _torch_runner(schedule, w.build(), rank, world, chunks, loss_fn), x, y)
+                    _torch_runner(schedule, w.build(), rank, world, chunks, loss_fn, bal), x, y)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 theirs = f"n/a ({type(exc).__name__})"
             # In turns (three steps each per round), so a slow spell of the
@@ -182,13 +183,17 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
     torch.set_num_threads(1)
     seq = median_time(w.sequential_step(), warmup, repeats, lambda: None)
     seq_fused = _fused_sequential_time(w, warmup, repeats) if fused else None
-    rows = spawn(ranks, _rank_main, w.name, schedules, warmup, repeats, fused)[0]
+    balances = {s: balance(w, s, ranks) for s in schedules}
+    ceiling = balance(w, "1f1b", ranks)  # one stage per rank
+    rows = spawn(ranks, _rank_main, w.name, balances, ceiling, warmup, repeats, fused)[0]
     ideal = seq / ranks
     alone = rows.pop("alone")
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; "
           f"sequential fwd+bwd {seq * 1e3:.1f} ms")
     print(f"  each rank its layers alone, no pipeline (the two-rank ceiling) {alone * 1e3:.1f} ms, "
           f"efficiency {ideal / alone:.2f}")
+    print("  layers per stage (both libraries): " + ", ".join(
+        f"{s} {balances[s]}" for s in schedules))
     if seq_fused is not None:
         print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
               "the baseline of 'eff fused'")

@@ -1,7 +1,8 @@
 """``fastpipe.plan``: choose schedule × chunks × balance × checkpointing from measured costs.
 
     prof ──► for each schedule, chunks, checkpoint mode:
-               balance = exact partition of the per-layer times (with speeds)
+               balance = partition of the per-layer times (speeds), simulated
+                         where a rank runs several stages (balance_for)
                simulate the schedule with the stage costs  ──► step time, bubble
                walk each rank's actions                     ──► peak memory
              ──► fastest candidate whose every rank fits ``memory_limit``
@@ -14,6 +15,7 @@ as the rank's action list holds and frees them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -120,6 +122,60 @@ def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: fl
     return cost
 
 
+def balance_for(prof: Profile, schedule: Schedule, speeds: Sequence[float] | None = None,
+                mode: str = "never", transfer_cost: float = 0.0, latency: float = 0.0) -> list[int]:
+    """Layers per stage for ``schedule``: where each rank runs one stage, the
+    split that minimises the largest stage (``partition``); where a rank runs
+    several, the split whose simulated step is shortest.
+
+    With several stages per rank neither even stages nor even ranks is the
+    answer: a V puts the embedding and the head (first and last stage) on one
+    rank, so even stages leave the other rank more blocks, and evening the
+    ranks can make the last stage long, which the V's turn waits on. So the
+    two partitions are simulated (the profile's F, B, I and W sums per
+    stage) and the faster is improved by moving one cut a layer at a time
+    while the simulated step gets shorter.
+
+    Args:
+        prof: per-layer costs at the microbatch size the schedule runs.
+        schedule: the schedule the stages will run.
+        speeds: per-rank speed factors.
+        mode, transfer_cost, latency: as ``plan`` simulates them.
+    """
+    speeds = [1.0] * schedule.ranks if speeds is None else [float(v) for v in speeds]
+    owners = schedule.stage_to_rank
+    costs = [x.forward + x.backward for x in prof.layers]
+    stage_speed = [speeds[owners[s]] for s in range(schedule.stages)]
+    even = partition(costs, schedule.stages, stage_speed)
+    if len(set(owners)) == schedule.stages:
+        return even
+    n = len(costs)
+
+    def step(bal: tuple[int, ...]) -> tuple[float, float]:
+        cost = _cost_fn(_stage_sums(prof, bal), mode, schedule.microbatches, schedule, transfer_cost)
+        sim = schedule.simulate(cost, rank_speed=speeds, latency=latency)
+        return sim.makespan, max(bal)
+
+    tried: dict[tuple[int, ...], tuple[float, float]] = {}
+
+    def score(bal: tuple[int, ...]) -> tuple[float, float]:
+        if bal not in tried:
+            tried[bal] = step(bal)
+        return tried[bal]
+
+    best = min((tuple(even), tuple(partition(costs, schedule.stages, stage_speed, owners))), key=score)
+    while True:
+        cuts = [0, *itertools.accumulate(best)]
+        moves = [tuple(b - a for a, b in zip(c, c[1:]))
+                 for k in range(1, len(best)) for d in (-1, 1)
+                 for c in [cuts[:k] + [cuts[k] + d] + cuts[k + 1:]]
+                 if cuts[k - 1] < cuts[k] + d < cuts[k + 1] and cuts[-1] == n]
+        trial = min(moves, key=score, default=None)
+        if trial is None or score(trial) >= score(best):
+            return list(best)
+        best = trial
+
+
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:
     """Peak bytes per rank: parameters × ``param_scale`` + saved activations alive.
 
@@ -223,8 +279,7 @@ def plan(
             if sched.stages > len(prof.layers):
                 continue
             scaled = prof.scaled(batch // m)
-            stage_speed = [speeds[sched.stage_to_rank[s]] for s in range(sched.stages)]
-            balance = partition([x.forward + x.backward for x in scaled.layers], sched.stages, stage_speed)
+            balance = balance_for(scaled, sched, speeds, latency=latency, transfer_cost=transfer_cost)
             sums = _stage_sums(scaled, balance)
             for mode in checkpoints:
                 if mode == "except_last" and m == 1:

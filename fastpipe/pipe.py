@@ -153,7 +153,8 @@ class Pipe(nn.Module):
             every rank keeps the whole model, as built. Layers a Pipe must
             run that hold meta tensors are refused (ValueError on every rank).
 
-    ``balance="auto"`` balances measured layer times (``balance_by_time``) on
+    ``balance="auto"`` balances measured layer times (``balance_by_time``;
+    by simulating the schedule where a rank runs several stages) on
     the first microbatch of the first ``step``: the model is split then, on
     the rank holding the input in distributed mode, and shared with the others.
 
@@ -323,7 +324,7 @@ class Pipe(nn.Module):
             raise ValueError(mine)
         if profiles:
             balance = balance_by_time(self.schedule.stages, self.module, x, self.chunks,
-                                      self.devices[holder])
+                                      self.devices[holder], schedule=self.schedule)
         if self.distributed:
             box = [balance]
             src = dist.get_global_rank(self.group, holder) if self.group is not None else holder

@@ -40,6 +40,49 @@ def test_partition_is_optimal(costs, data):
     assert got == pytest.approx(_brute(costs, parts, speeds))
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=2, max_size=9), st.data())
+def test_partition_by_rank_is_optimal(costs, data):
+    """With owners, the busiest rank's sum is the smallest any split gives
+    (then the largest part); one part per rank is the plain partition."""
+    ranks = data.draw(st.integers(1, max(1, len(costs) // 2)))
+    per = data.draw(st.integers(1, len(costs) // ranks))
+    owners = [data.draw(st.integers(0, ranks - 1)) for _ in range(ranks * per)]
+    owners[:ranks] = range(ranks)  # every rank owns a part
+    parts = len(owners)
+
+    def score(sizes):
+        bounds = [0, *itertools.accumulate(sizes)]
+        loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        per_rank = [sum(load for k, load in zip(owners, loads) if k == r) for r in range(ranks)]
+        return max(per_rank), max(loads)
+
+    sizes = partition(costs, parts, owners=owners)
+    assert len(sizes) == parts and all(n >= 1 for n in sizes) and sum(sizes) == len(costs)
+    best = min(score([b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))])
+               for cuts in itertools.combinations(range(1, len(costs)), parts - 1))
+    assert score(sizes) == best
+
+
+def test_partition_evens_the_ranks_of_a_v():
+    """A V puts the first and the last stage on rank 0: a cheap embedding and
+    a costly head there, blocks in between. Even parts leave rank 1 with
+    four blocks; balancing ranks gives it three."""
+    costs = [0.05, 1, 1, 1, 1, 1, 1, 0.8]
+    assert partition(costs, 4) == [2, 2, 2, 2]
+    assert partition(costs, 4, owners=[0, 1, 1, 0]) == [3, 1, 2, 2]
+    assert partition(costs, 4, owners=[0, 1, 2, 3]) == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="owners must name a rank for each of the 4 parts"):
+        partition(costs, 4, owners=[0, 1])
+    # Too many splits to try: local search still evens the ranks of a long V.
+    long = [1.0] * 200 + [30.0]
+    sizes = partition(long, 8, owners=[0, 1, 2, 3, 3, 2, 1, 0])
+    bounds = [0, *itertools.accumulate(sizes)]
+    loads = [sum(long[a:b]) for a, b in zip(bounds, bounds[1:])]
+    per_rank = [loads[k] + loads[7 - k] for k in range(4)]
+    assert max(per_rank) - min(per_rank) <= 2.0
+
+
 def test_partition_rejects_bad_speeds():
     with pytest.raises(ValueError, match="speeds must hold 2"):
         partition([1, 2, 3], 2, [1.0])

@@ -61,7 +61,7 @@ def w_path(request, monkeypatch):
 @pytest.mark.parametrize("name", list(LAYERS) + ["embedding"])
 def test_rule_matches_autograd(name, fuse, w_path):
     if name == "embedding":
-        _embedding_rule_with_padding_and_frequency_scaling()
+        _embedding_rule_with_padding_and_frequency_scaling(fuse)
         return
     build, shape = LAYERS[name]
     torch.manual_seed(0)
@@ -81,23 +81,39 @@ def test_rule_matches_autograd(name, fuse, w_path):
         torch.testing.assert_close(p.grad, q.grad, msg=n, **exact)
 
 
-def _embedding_rule_with_padding_and_frequency_scaling():
+def _embedding_rule_with_padding_and_frequency_scaling(fuse: bool):
+    """Into a missing .grad (autograd's table), then into an existing one
+    (fused: the rows added in place, a padding row's gradient masked), with
+    one microbatch or two gathered."""
     torch.manual_seed(0)
     for kwargs in ({}, {"padding_idx": 2}, {"scale_grad_by_freq": True}):
         emb = nn.Embedding(9, 4, **kwargs).double()
         ref = copy.deepcopy(emb)
-        ids = torch.tensor([[1, 2, 2, 5], [2, 8, 1, 0]])
+        batches = [torch.tensor([[1, 2, 2, 5], [2, 8, 1, 0]]), torch.tensor([[2, 3, 3, 8]]),
+                   torch.tensor([[0, 2, 7, 7], [1, 1, 2, 6]])]
         layers = deferred.install(emb)
-        pending = deferred.Pending()
-        with deferred.collecting(pending):
-            out = emb(ids)
-        loss = out.pow(2).sum()
-        deferred.backward_input([loss], [None], [ids], [emb.weight], pending)
-        assert emb.weight.grad is None and len(pending.entries) == 1  # all of it is W's
-        deferred.run_weight(pending.entries)
-        deferred.uninstall(layers)
-        ref(ids).pow(2).sum().backward()
-        torch.testing.assert_close(emb.weight.grad, ref.weight.grad, rtol=0, atol=0)
+        try:
+            for group in (batches[:1], batches[1:]):
+                entries = []
+                for ids in group:
+                    pending = deferred.Pending()
+                    with deferred.collecting(pending):
+                        out = emb(ids)
+                    loss = out.pow(2).sum()
+                    before = None if emb.weight.grad is None else emb.weight.grad.clone()
+                    deferred.backward_input([loss], [None], [ids], [emb.weight], pending)
+                    assert len(pending.entries) == 1  # all of it is W's
+                    torch.testing.assert_close(emb.weight.grad, before, rtol=0, atol=0)
+                    entries += pending.entries
+                deferred.run_weight(entries, fuse=fuse)
+        finally:
+            deferred.uninstall(layers)
+        for ids in batches:
+            ref(ids).pow(2).sum().backward()
+        exact = {"rtol": 0, "atol": 0} if not fuse else {}
+        torch.testing.assert_close(emb.weight.grad, ref.weight.grad, **exact)
+        if "padding_idx" in kwargs:
+            assert not emb.weight.grad[2].any()
 
 
 def test_frozen_parameters_and_hooks_keep_autograd():

@@ -98,9 +98,34 @@ void layer_norm(const Item& it) {
   if (want_b) accumulate(*it.targets[1], std::get<2>(grads));
 }
 
-void embedding(const Item& it) {
-  accumulate(*it.targets[0],
-             at::embedding_dense_backward(it.g, it.kept[0], it.ints[0], it.ints[1], it.ints[2] != 0));
+// deferred.EmbeddingRule: autograd's dense table per call, or (fused) the
+// rows of every call added into an existing .grad with one index_add_.
+void embedding(const std::vector<const Item*>& items, bool fuse) {
+  const Item& first = *items.front();
+  if (!first.targets[0].has_value()) return;
+  const at::Tensor& w = *first.targets[0];
+  const std::int64_t num = first.ints[0], pad = first.ints[1];
+  const bool freq = first.ints[2] != 0;
+  if (!fuse || freq) {
+    for (const Item* it : items)
+      accumulate(w, at::embedding_dense_backward(it->g, it->kept[0], num, pad, freq));
+    return;
+  }
+  std::vector<at::Tensor> ids, gs;
+  for (const Item* it : items) {
+    ids.push_back(it->kept[0].reshape({-1}));
+    gs.push_back(rows2d(it->g));
+  }
+  at::Tensor id = ids.size() == 1 ? ids[0] : at::cat(ids);
+  at::Tensor g = gs.size() == 1 ? gs[0] : at::cat(gs);
+  const at::Tensor& grad = w.grad();
+  if (!grad.defined() || grad.scalar_type() != g.scalar_type() || !grad.is_contiguous() ||
+      (grad.is_cuda() && at::globalContext().deterministicAlgorithms())) {
+    accumulate(w, at::embedding_dense_backward(g, id, num, pad, false));
+    return;
+  }
+  if (pad >= 0) g = g.masked_fill(id.eq(pad).unsqueeze(1), 0);
+  w.mutable_grad().index_add_(0, id, g);
 }
 
 // W of a microbatch's (or several microbatches') deferred layers.
@@ -119,9 +144,12 @@ void weight_grads(const std::vector<std::vector<Item>>& groups, bool fuse) {
       case kLayerNorm:
         for (const Item& it : group) layer_norm(it);
         break;
-      case kEmbedding:
-        for (const Item& it : group) embedding(it);
+      case kEmbedding: {
+        std::vector<const Item*> items;
+        for (const Item& it : group) items.push_back(&it);
+        embedding(items, fuse);
         break;
+      }
       default:
         throw py::value_error("weight_grads: unknown rule kind " + std::to_string(group.front().kind));
     }

@@ -1,7 +1,9 @@
 """Choosing ``balance``: how many layers each pipeline stage gets.
 
-Three ways, each an exact contiguous partition (dynamic programming) that
-minimises the largest stage:
+Three ways, each a contiguous partition that minimises the largest stage
+(dynamic programming) or, given which rank runs each stage, the busiest
+rank (``partition``'s ``owners``; ``balance_by_time`` given a schedule
+simulates it):
 
 * ``balance_by_params``: parameter counts (no data needed);
 * ``balance_by_time``: measured forward + backward time per layer, with
@@ -50,6 +52,7 @@ def balance_by_time(
     chunks: int = 1,
     device: str | torch.device = "cpu",
     speeds: Sequence[float] | None = None,
+    schedule=None,
 ) -> list[int]:
     """Balance that evens out measured forward + backward time per stage.
 
@@ -57,6 +60,11 @@ def balance_by_time(
         stages: stages to split into (ranks × stages_per_rank).
         model, sample, chunks, device: see ``profile``.
         speeds: per-stage speed factors (a stage on a 2× faster device: 2.0).
+        schedule: the ``Schedule`` the stages will run (``stages`` of them).
+            Where a rank runs several stages, even stages can leave the
+            ranks uneven (a V puts embedding and head on one rank): then the
+            split whose simulated step is shortest is taken
+            (``fastpipe._plan.balance_for``; ``speeds`` are not used).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
@@ -64,6 +72,13 @@ def balance_by_time(
         3
     """
     prof = profile(model, sample, device, chunks)
+    if schedule is not None:
+        if schedule.stages != stages:
+            raise ValueError(f"schedule {schedule.name!r} has {schedule.stages} stages, not {stages}")
+        if len(set(schedule.stage_to_rank)) < stages:
+            from fastpipe._plan import balance_for
+
+            return balance_for(prof, schedule)
     return partition([layer.forward + layer.backward for layer in prof.layers], stages, speeds)
 
 
@@ -74,8 +89,10 @@ def balance_by_size(
     chunks: int = 1,
     param_scale: float = 4.0,
     device: str | torch.device = "cpu",
+    owners: Sequence[int] | None = None,
 ) -> list[int]:
-    """Balance that evens out memory per stage.
+    """Balance that evens out memory per stage (per rank, given ``owners``:
+    see ``balance_by_time``).
 
     A layer needs ``param_scale ×`` its parameter bytes (4.0: the parameter,
     its gradient and Adam's two states) plus its saved activations for each
@@ -90,4 +107,4 @@ def balance_by_size(
         raise ValueError(f"param_scale must be >= 0, got {param_scale}")
     prof = profile(model, sample, device, chunks, repeats=1, warmup=0)
     costs = [layer.param_bytes * param_scale + layer.activation_bytes * chunks for layer in prof.layers]
-    return partition(costs, stages)
+    return partition(costs, stages, owners=owners)

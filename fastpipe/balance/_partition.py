@@ -1,17 +1,33 @@
-"""Exact contiguous partition of a cost vector: minimise the largest part."""
+"""Contiguous partition of a cost vector: minimise the busiest rank, then the largest part."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 
+# Above this many candidate splits, ranks with several parts are balanced by
+# local search from the per-part optimum instead of by trying every split.
+_EXHAUSTIVE = 50_000
 
-def partition(costs: Sequence[float], parts: int, speeds: Sequence[float] | None = None) -> list[int]:
+
+def partition(costs: Sequence[float], parts: int, speeds: Sequence[float] | None = None,
+              owners: Sequence[int] | None = None) -> list[int]:
     """Splits ``costs`` into ``parts`` contiguous, non-empty runs.
 
     Minimises the largest run's time, ``sum(run) / speeds[run index]``, by
     dynamic programming (O(n²·parts)); among optimal splits it returns the one
     whose runs are found first from the left. ``speeds`` (default all 1) lets a
     faster device take a longer run (heterogeneous ranks).
+
+    ``owners`` (a schedule's ``stage_to_rank``) says which rank runs each
+    part. Where a rank runs several (interleaved and V-shaped schedules) its
+    step time is the sum of its parts, and even parts can still leave the
+    ranks uneven: a V puts the first and the last stage (embedding, head and
+    loss) on one rank. Then the busiest rank's sum is minimised first, the
+    largest part second: exactly over every split while there are at most
+    50,000 of them, else by moving one cut at a time from the per-part
+    optimum while that helps (a local optimum).
 
     Returns:
         The length of each run (the ``balance``), summing to ``len(costs)``.
@@ -46,4 +62,41 @@ def partition(costs: Sequence[float], parts: int, speeds: Sequence[float] | None
         j = cut[k][i]
         sizes.append(i - j)
         i = j
-    return sizes[::-1]
+    sizes = sizes[::-1]
+    if owners is None:
+        return sizes
+    owners = list(owners)
+    if len(owners) != parts:
+        raise ValueError(f"owners must name a rank for each of the {parts} parts, got {owners!r}")
+    if len(set(owners)) == parts:  # one part per rank: the ranks are the parts
+        return sizes
+    return _by_rank(prefix, sizes, speeds, owners)
+
+
+def _by_rank(prefix: list[float], sizes: list[int], speeds: list[float], owners: list[int]
+             ) -> list[int]:
+    n, parts = len(prefix) - 1, len(sizes)
+    ranks = max(owners) + 1
+
+    def score(cuts: Sequence[int]) -> tuple[float, float]:
+        loads = [(prefix[b] - prefix[a]) / v for a, b, v in zip(cuts, cuts[1:], speeds)]
+        per_rank = [0.0] * ranks
+        for k, load in zip(owners, loads):
+            per_rank[k] += load
+        return max(per_rank), max(loads)
+
+    if math.comb(n - 1, parts - 1) <= _EXHAUSTIVE:
+        best = min(((0, *inner, n) for inner in itertools.combinations(range(1, n), parts - 1)),
+                   key=score)
+    else:
+        best = (0, *itertools.accumulate(sizes))
+        current = score(best)
+        while True:
+            moves = [best[:k] + (best[k] + d,) + best[k + 1:]
+                     for k in range(1, parts) for d in (-1, 1)
+                     if best[k - 1] < best[k] + d < best[k + 1]]
+            trial = min(moves, key=score, default=None)
+            if trial is None or score(trial) >= current:
+                break
+            best, current = trial, score(trial)
+    return [b - a for a, b in zip(best, best[1:])]

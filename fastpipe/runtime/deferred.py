@@ -588,8 +588,19 @@ class RMSNormRule(WeightRule):
 
 
 class EmbeddingRule(WeightRule):
-    """``nn.Embedding`` (dense, no ``max_norm``): W scatter-adds ``g`` into
-    the table's rows (ATen's own backward)."""
+    """``nn.Embedding`` (dense, no ``max_norm``): W adds each looked-up row's
+    gradient into the table's.
+
+    Autograd's backward (``embedding_dense_backward``) makes a fresh table of
+    zeros the size of the weight for every call, scatters into it and adds it
+    to ``.grad``: two passes over the whole table for a few rows, and on CPUs
+    a weight-sized allocation that faults its pages in every time. Fused, the
+    rows of one or several microbatches go into an existing ``.grad`` with
+    one ``index_add_`` (other rounding order; a padding row's gradient is
+    masked to zero, as autograd leaves it). Frequency scaling, a missing
+    ``.grad`` and deterministic CUDA algorithms (``index_add_`` accumulates
+    with atomics there) keep autograd's op, per microbatch.
+    """
 
     def params(self, m):
         return (m.weight,)
@@ -609,6 +620,25 @@ class EmbeddingRule(WeightRule):
     def weight_grads(self, kept, meta, targets, g):
         num, pad, freq = meta
         return (_aten.embedding_dense_backward(g, kept[0], num, pad, freq),)
+
+    def rows(self, kept, meta):
+        return None if meta[2] else kept[0].numel()  # frequency scaling counts per call
+
+    def gather(self, entries):
+        num, pad, _ = entries[0].meta
+        w = entries[0].params[0]
+        ids = torch.cat([e.saved[0].reshape(-1) for e in entries])
+        g = torch.cat([e.g.reshape(-1, e.g.shape[-1]) for e in entries])
+        if w is None:
+            return (None,)
+        grad = w.grad
+        if (grad is None or grad.dtype != g.dtype or not grad.is_contiguous()
+                or (grad.is_cuda and torch.are_deterministic_algorithms_enabled())):
+            return (_aten.embedding_dense_backward(g, ids, num, pad, False),)
+        if pad >= 0:
+            g = g.masked_fill((ids == pad).unsqueeze(1), 0)
+        grad.index_add_(0, ids, g)
+        return (None,)
 
 
 register_weight_rule(nn.Linear, LinearRule())
