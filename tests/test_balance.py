@@ -284,3 +284,32 @@ def test_plan_cli_prints_the_table():
     bad = subprocess.run([sys.executable, "-m", "fastpipe", "plan", "--model", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "MODULE:FACTORY" in bad.stderr
+
+
+def test_balance_for_a_v_is_no_slower_than_even_stages_or_even_ranks():
+    """``balance_for`` simulates the schedule: its split's step is at most
+    the shorter of even stages and even ranks, and one stage per rank is the
+    plain partition."""
+    from fastpipe._plan import _cost_fn, _stage_sums, balance_for
+    from fastpipe.balance import LayerProfile, Profile
+    from fastpipe.schedules import build
+
+    def layer(t):
+        return LayerProfile(t / 3, 2 * t / 3, t / 3, t / 3, 0, 0, 0)
+
+    # embedding, six blocks, head: the shape of a GPT
+    prof = Profile(tuple(layer(t) for t in (0.05, 1, 1, 1, 1, 1, 1, 0.8)), rows=1, device="cpu")
+    costs = [x.forward + x.backward for x in prof.layers]
+    for name in ("zbv", "dualpipev", "interleaved-1f1b"):
+        sched = build(name, 2, 8, stages_per_rank=2)
+
+        def step(bal):
+            return sched.simulate(_cost_fn(_stage_sums(prof, bal), "never", 8, sched, 0.0)).makespan
+
+        got = balance_for(prof, sched)
+        assert sum(got) == 8 and len(got) == 4 and min(got) >= 1
+        even = partition(costs, 4)
+        by_rank = partition(costs, 4, owners=sched.stage_to_rank)
+        assert step(got) <= min(step(even), step(by_rank)) + 1e-12, name
+    one = build("1f1b", 2, 8)
+    assert balance_for(prof, one) == partition(costs, 2)

@@ -7,12 +7,18 @@
 // released. The ops are those of deferred.py's rules, so both paths agree
 // bit for bit.
 //
-// An item is one layer call: (kind, targets, kept, g, tensors, ints, eps).
-// A group is the items of one layer; Linear groups are gathered into one GEMM
-// when `fuse` is set.
+// A WeightLayer is what a layer's W needs that does not change from call to
+// call within a step (kind, target parameters, LayerNorm's weight and bias,
+// shapes): deferred.py makes one per layer and step, so a call's work is just
+// (layer, kept, g) and W passes three flat lists. Calls of one layer form a
+// group (first-seen order); Linear and Embedding groups are gathered into one
+// GEMM / index_add_ when `fuse` is set.
 #include "wgrad.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <stdexcept>
 #include <optional>
 #include <vector>
 
@@ -24,14 +30,18 @@ namespace py = pybind11;
 // deferred.py's native rule kinds.
 enum Rule : std::int64_t { kLinear = 0, kLayerNorm = 1, kEmbedding = 2 };
 
-struct Item {
+struct Layer {
   std::int64_t kind;
   std::vector<std::optional<at::Tensor>> targets;  // the parameters; nullopt: no gradient wanted
-  std::vector<at::Tensor> kept;                    // what the forward kept
-  at::Tensor g;                                    // the output's gradient
   std::vector<std::optional<at::Tensor>> tensors;  // LayerNorm: its (detached) weight and bias
   std::vector<std::int64_t> ints;                  // LayerNorm: normalized shape; Embedding: rows, pad, freq
   double eps;
+};
+
+struct Item {  // one call
+  const Layer* layer;
+  at::Tensor kept;  // what the forward kept (the input; Embedding: the ids)
+  at::Tensor g;     // the output's gradient
 };
 
 // AccumulateGrad's two cases: store a fresh gradient (in the parameter's
@@ -50,7 +60,7 @@ at::Tensor rows2d(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
 // g^T x and sum(g) over the rows; fused: straight into an existing .grad of
 // the computation's dtype (addmm_), as deferred._linear_grads.
 void linear(const std::vector<const Item*>& items, bool fuse) {
-  const auto& targets = items.front()->targets;
+  const auto& targets = items.front()->layer->targets;
   auto run = [&](const at::Tensor& g, const at::Tensor& x, bool fused) {
     if (targets[0].has_value()) {
       const at::Tensor& w = *targets[0];
@@ -65,17 +75,17 @@ void linear(const std::vector<const Item*>& items, bool fuse) {
     if (targets.size() > 1 && targets[1].has_value()) accumulate(*targets[1], g.sum(0));
   };
   if (!fuse) {
-    for (const Item* it : items) run(rows2d(it->g), it->kept[0], false);
+    for (const Item* it : items) run(rows2d(it->g), rows2d(it->kept), false);
     return;
   }
   if (items.size() == 1) {
-    run(rows2d(items[0]->g), items[0]->kept[0], true);
+    run(rows2d(items[0]->g), rows2d(items[0]->kept), true);
     return;
   }
   std::vector<at::Tensor> gs, xs;
   for (const Item* it : items) {
     gs.push_back(rows2d(it->g));
-    xs.push_back(it->kept[0]);
+    xs.push_back(rows2d(it->kept));
   }
   run(at::cat(gs), at::cat(xs), true);
 }
@@ -83,37 +93,39 @@ void linear(const std::vector<const Item*>& items, bool fuse) {
 // deferred.LayerNormRule.weight_grads: the statistics again, then ATen's own
 // backward for the weight and bias only.
 void layer_norm(const Item& it) {
-  at::Tensor x = it.kept[0];
+  const Layer& layer = *it.layer;
+  at::Tensor x = it.kept;
   const at::Tensor& g = it.g;
   if (g.scalar_type() != x.scalar_type() && g.scalar_type() == at::kFloat) x = x.to(at::kFloat);
-  std::optional<at::Tensor> w = it.tensors[0], b = it.tensors[1];
+  std::optional<at::Tensor> w = layer.tensors[0], b = layer.tensors[1];
   if (w.has_value() && w->scalar_type() != x.scalar_type() && x.scalar_type() == at::kFloat) {
     w = w->to(at::kFloat);
     if (b.has_value()) b = b->to(at::kFloat);
   }
-  auto [out, mean, rstd] = at::native_layer_norm(x, it.ints, w, b, it.eps);
-  bool want_w = it.targets[0].has_value(), want_b = it.targets[1].has_value();
-  auto grads = at::native_layer_norm_backward(g, x, it.ints, mean, rstd, w, b, {false, want_w, want_b});
-  if (want_w) accumulate(*it.targets[0], std::get<1>(grads));
-  if (want_b) accumulate(*it.targets[1], std::get<2>(grads));
+  auto [out, mean, rstd] = at::native_layer_norm(x, layer.ints, w, b, layer.eps);
+  bool want_w = layer.targets[0].has_value(), want_b = layer.targets[1].has_value();
+  auto grads =
+      at::native_layer_norm_backward(g, x, layer.ints, mean, rstd, w, b, {false, want_w, want_b});
+  if (want_w) accumulate(*layer.targets[0], std::get<1>(grads));
+  if (want_b) accumulate(*layer.targets[1], std::get<2>(grads));
 }
 
 // deferred.EmbeddingRule: autograd's dense table per call, or (fused) the
 // rows of every call added into an existing .grad with one index_add_.
 void embedding(const std::vector<const Item*>& items, bool fuse) {
-  const Item& first = *items.front();
-  if (!first.targets[0].has_value()) return;
-  const at::Tensor& w = *first.targets[0];
-  const std::int64_t num = first.ints[0], pad = first.ints[1];
-  const bool freq = first.ints[2] != 0;
+  const Layer& layer = *items.front()->layer;
+  if (!layer.targets[0].has_value()) return;
+  const at::Tensor& w = *layer.targets[0];
+  const std::int64_t num = layer.ints[0], pad = layer.ints[1];
+  const bool freq = layer.ints[2] != 0;
   if (!fuse || freq) {
     for (const Item* it : items)
-      accumulate(w, at::embedding_dense_backward(it->g, it->kept[0], num, pad, freq));
+      accumulate(w, at::embedding_dense_backward(it->g, it->kept, num, pad, freq));
     return;
   }
   std::vector<at::Tensor> ids, gs;
   for (const Item* it : items) {
-    ids.push_back(it->kept[0].reshape({-1}));
+    ids.push_back(it->kept.reshape({-1}));
     gs.push_back(rows2d(it->g));
   }
   at::Tensor id = ids.size() == 1 ? ids[0] : at::cat(ids);
@@ -128,30 +140,44 @@ void embedding(const std::vector<const Item*>& items, bool fuse) {
   w.mutable_grad().index_add_(0, id, g);
 }
 
-// W of a microbatch's (or several microbatches') deferred layers.
-void weight_grads(const std::vector<std::vector<Item>>& groups, bool fuse) {
+// W of a microbatch's (or several microbatches') deferred layers: call i is
+// (layers[i], kept[i], gs[i]).
+void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::vector<at::Tensor>& kept,
+                  const std::vector<at::Tensor>& gs, bool fuse) {
+  if (kept.size() != layers.size() || gs.size() != layers.size()) {
+    throw py::value_error("weight_grads: " + std::to_string(layers.size()) + " layers, " +
+                          std::to_string(kept.size()) + " kept tensors and " + std::to_string(gs.size()) +
+                          " gradients; they must match");
+  }
   py::gil_scoped_release nogil;
   at::NoGradGuard no_grad;
+  std::vector<Item> items;
+  items.reserve(layers.size());
+  for (std::size_t i = 0; i < layers.size(); ++i) items.push_back({layers[i].get(), kept[i], gs[i]});
+  // Groups in first-seen order: a layer's calls together.
+  std::vector<std::vector<const Item*>> groups;
+  for (const Item& it : items) {
+    auto found = std::find_if(groups.begin(), groups.end(),
+                              [&](const auto& group) { return group.front()->layer == it.layer; });
+    if (found == groups.end()) {
+      groups.push_back({&it});
+    } else {
+      found->push_back(&it);
+    }
+  }
   for (const auto& group : groups) {
-    if (group.empty()) continue;
-    switch (group.front().kind) {
-      case kLinear: {
-        std::vector<const Item*> items;
-        for (const Item& it : group) items.push_back(&it);
-        linear(items, fuse);
+    switch (group.front()->layer->kind) {
+      case kLinear:
+        linear(group, fuse);
         break;
-      }
       case kLayerNorm:
-        for (const Item& it : group) layer_norm(it);
+        for (const Item* it : group) layer_norm(*it);
         break;
-      case kEmbedding: {
-        std::vector<const Item*> items;
-        for (const Item& it : group) items.push_back(&it);
-        embedding(items, fuse);
+      case kEmbedding:
+        embedding(group, fuse);
         break;
-      }
       default:
-        throw py::value_error("weight_grads: unknown rule kind " + std::to_string(group.front().kind));
+        throw std::invalid_argument("weight_grads: unknown rule kind " + std::to_string(group.front()->layer->kind));
     }
   }
 }
@@ -159,13 +185,28 @@ void weight_grads(const std::vector<std::vector<Item>>& groups, bool fuse) {
 }  // namespace
 
 void register_wgrad(py::module_& m) {
-  py::class_<Item>(m, "WeightItem")
-      .def(py::init<std::int64_t, std::vector<std::optional<at::Tensor>>, std::vector<at::Tensor>, at::Tensor,
-                    std::vector<std::optional<at::Tensor>>, std::vector<std::int64_t>, double>(),
-           py::arg("kind"), py::arg("targets"), py::arg("kept"), py::arg("g"), py::arg("tensors"), py::arg("ints"),
-           py::arg("eps"));
-  m.def("weight_grads", &weight_grads, py::arg("groups"), py::arg("fuse"),
-        "W of deferred layers (groups of one layer's items), with the GIL released.");
+  py::class_<Layer, std::shared_ptr<Layer>>(m, "WeightLayer")
+      .def(py::init([](std::int64_t kind, std::vector<std::optional<at::Tensor>> targets,
+                       std::vector<std::optional<at::Tensor>> tensors, std::vector<std::int64_t> ints, double eps) {
+             if (kind < kLinear || kind > kEmbedding) {
+               throw py::value_error("WeightLayer: unknown rule kind " + std::to_string(kind) +
+                                     " (0 Linear, 1 LayerNorm, 2 Embedding)");
+             }
+             const bool ok = kind == kLinear      ? targets.size() == 1 || targets.size() == 2
+                             : kind == kLayerNorm ? targets.size() == 2 && tensors.size() == 2
+                                                  : targets.size() == 1 && ints.size() == 3;
+             if (!ok) {
+               throw py::value_error("WeightLayer: kind " + std::to_string(kind) + " got " +
+                                     std::to_string(targets.size()) + " targets, " +
+                                     std::to_string(tensors.size()) + " tensors and " +
+                                     std::to_string(ints.size()) + " ints");
+             }
+             return std::make_shared<Layer>(
+                 Layer{kind, std::move(targets), std::move(tensors), std::move(ints), eps});
+           }),
+           py::arg("kind"), py::arg("targets"), py::arg("tensors"), py::arg("ints"), py::arg("eps"));
+  m.def("weight_grads", &weight_grads, py::arg("layers"), py::arg("kept"), py::arg("gs"), py::arg("fuse"),
+        "W of deferred layers: call i is (layers[i], kept[i], gs[i]), with the GIL released.");
 }
 
 }  // namespace fastpipe

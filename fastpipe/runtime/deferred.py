@@ -110,9 +110,10 @@ class WeightRule:
     def gather(self, entries: list[Entry]) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
 
-    def native(self, entry: Entry, chain: ModuleType):
-        """The entry as an item of ``fastpipe._chain.weight_grads`` (the
-        built-in rules' W in C++), or None: ``weight_grads``/``gather`` run."""
+    def native(self, targets, meta, chain: ModuleType):
+        """The layer as a ``fastpipe._chain.WeightLayer`` (the built-in rules'
+        W in C++; made once per layer and step), or None: ``weight_grads`` /
+        ``gather`` run."""
         return None
 
 
@@ -151,6 +152,7 @@ class Entry:
     meta: Any
     g: torch.Tensor | None  # the output's gradient, once I has run
     layer: int  # id of the module: its entries into the same parameters gather together
+    native: Any = None  # the layer's fastpipe._chain.WeightLayer this step, or None
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +188,9 @@ def linear_entry(module: nn.Linear, g: torch.Tensor, x: torch.Tensor) -> Entry:
     ``x`` someone else kept: a chain stage's I (``fastpipe.runtime.chain``)."""
     targets = tuple(p if p is not None and p.requires_grad else None
                     for p in (module.weight, module.bias))
-    return Entry(_RULES[nn.Linear], targets, (x,), None, g, id(module))
+    rule, chain = _RULES[nn.Linear], native_chain()
+    return Entry(rule, targets, (x,), None, g, id(module),
+                 rule.native(targets, None, chain) if chain is not None else None)
 
 
 def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
@@ -250,16 +254,17 @@ def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
     ``fuse=False`` keeps autograd's own rounding: one entry at a time, each
     fresh gradient added to ``.grad`` as AccumulateGrad adds it.
     """
-    groups: dict[tuple, list[Entry]] = {}
-    for e in entries:  # one layer's calls into the same parameters (not a swapped-in replica's)
-        groups.setdefault((e.layer, *map(id, e.params)), []).append(e)
+    left = entries
     chain = native_chain()
     if chain is not None:  # the built-in rules' W in C++, without the GIL
-        items = [[e.rule.native(e, chain) for e in group] for group in groups.values()]
-        done = [all(it is not None for it in group) for group in items]
-        if any(done):
-            chain.weight_grads([g for g, ok in zip(items, done) if ok], fuse)
-            groups = {k: g for (k, g), ok in zip(groups.items(), done) if not ok}
+        done = [e for e in entries if e.native is not None]
+        if done:
+            chain.weight_grads([e.native for e in done], [e.saved[0] for e in done],
+                               [e.g for e in done], fuse)
+            left = [e for e in entries if e.native is None]
+    groups: dict[tuple, list[Entry]] = {}
+    for e in left:  # one layer's calls into the same parameters (not a swapped-in replica's)
+        groups.setdefault((e.layer, *map(id, e.params)), []).append(e)
     with torch.no_grad():
         for group in groups.values():
             first = group[0]
@@ -361,6 +366,7 @@ def _storage(t: torch.Tensor) -> int:
 # --- collecting: the forward side ------------------------------------------------
 
 _state = threading.local()
+_UNSET = object()
 
 
 @contextmanager
@@ -391,8 +397,9 @@ class _Forward:
         self.module, self.rule, self.users = module, rule, 0
         self.plain = type(module).forward.__get__(module)
         self.layer = id(module)
-        # (params, targets, detached params or None where the call cannot defer)
-        self.plan: tuple | None = None
+        # [params, targets, detached params or None where the call cannot
+        # defer, the native WeightLayer (_UNSET until the first call makes it)]
+        self.plan: list | None = None
 
     def __call__(self, x, *args, **kwargs):
         pending = getattr(_state, "pending", None)
@@ -403,13 +410,16 @@ class _Forward:
         plan = self.plan
         if plan is None or len(plan[0]) != len(params) or not all(map(operator.is_, params, plan[0])):
             plan = self.plan = self._prepare(params)
-        _, targets, detached = plan
+        _, targets, detached, layer = plan
         if detached is None:
             return self.plain(x)
         out, kept, meta = rule.forward(module, x, detached)
         if not out.requires_grad:  # nothing before it wants a gradient: a leaf of its own
             out.requires_grad_()
-        pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer))
+        if layer is _UNSET:  # what W needs of this layer beside each call's tensors
+            chain = native_chain()
+            layer = plan[3] = rule.native(targets, meta, chain) if chain is not None else None
+        pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer, layer))
         fn = out.grad_fn
         pending.edges.append(GradientEdge(fn, out.output_nr) if fn is not None and not isinstance(
             fn, torch._C._FunctionBase) else get_gradient_edge(out))
@@ -423,7 +433,7 @@ class _Forward:
             p._backward_hooks or p._post_accumulate_grad_hooks is not None
             for p in targets if p is not None)
         detached = tuple(p.detach() if p is not None else None for p in params) if ok else None
-        return params, targets, detached
+        return [params, targets, detached, _UNSET]
 
 
 def install(root: nn.Module) -> list[nn.Module]:
@@ -504,8 +514,8 @@ class LinearRule(WeightRule):
     def rows(self, kept, meta):
         return kept[0].shape[0]
 
-    def native(self, e, chain):
-        return chain.WeightItem(0, list(e.params), list(e.saved), e.g, [], [], 0.0)
+    def native(self, targets, meta, chain):
+        return chain.WeightLayer(0, list(targets), [], [], 0.0)
 
     def gather(self, entries):
         if len(entries) == 1:
@@ -549,9 +559,9 @@ class LayerNormRule(WeightRule):
         out = F.layer_norm(x, m.normalized_shape, w, b, m.eps)
         return out, (x.detach(),), (tuple(m.normalized_shape), m.eps, w, b)
 
-    def native(self, e, chain):
-        shape, eps, w, b = e.meta
-        return chain.WeightItem(1, list(e.params), list(e.saved), e.g, [w, b], list(shape), eps)
+    def native(self, targets, meta, chain):
+        shape, eps, w, b = meta
+        return chain.WeightLayer(1, list(targets), [w, b], list(shape), eps)
 
     def weight_grads(self, kept, meta, targets, g):
         shape, eps, w, b = meta
@@ -613,9 +623,9 @@ class EmbeddingRule(WeightRule):
         pad = m.padding_idx if m.padding_idx is not None else -1
         return out, (ids.detach(),), (detached[0].shape[0], pad, m.scale_grad_by_freq)
 
-    def native(self, e, chain):
-        num, pad, freq = e.meta
-        return chain.WeightItem(2, list(e.params), list(e.saved), e.g, [], [num, pad, int(freq)], 0.0)
+    def native(self, targets, meta, chain):
+        num, pad, freq = meta
+        return chain.WeightLayer(2, list(targets), [], [num, pad, int(freq)], 0.0)
 
     def weight_grads(self, kept, meta, targets, g):
         num, pad, freq = meta
