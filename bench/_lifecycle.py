@@ -22,7 +22,6 @@ the path GPU ranks take, at tiny sizes.
 from __future__ import annotations
 
 import copy
-import ctypes
 import gc
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 from tests.models import gpt, gpt_batch, lm_loss
+from tests.support import FailsOnce, heap_in_use
 
 Check = Callable[..., None]
 # (schedule, whether a Pipe whose step fails comes first): the rebuild sequence.
@@ -45,20 +45,6 @@ def _pipe(model: nn.Sequential, schedule: str, dev: str, chunks: int):
                 stages_per_rank=2 if schedule == "zbv" else None)
     pipe._copies = True  # on a GPU already so; on the CPU the same path with host lanes
     return pipe
-
-
-class _FailsOnce:
-    """``loss_fn`` whose ``at``-th call raises: a step that fails with some
-    backwards done and messages in flight."""
-
-    def __init__(self, loss_fn, at: int) -> None:
-        self.loss_fn, self.at, self.calls = loss_fn, at, 0
-
-    def __call__(self, out, target):
-        self.calls += 1
-        if self.calls == self.at:
-            raise ValueError("loss failed once")
-        return self.loss_fn(out, target)
 
 
 def _sync(dev: str) -> None:
@@ -85,7 +71,7 @@ def _rebuild_sequence(label: str, seq: nn.Sequential, params: dict, forward, ref
         if fail_first:
             pipe = _pipe(seq, schedule, dev, chunks)
             try:
-                pipe.step(x, y, _FailsOnce(lm_loss, at=3))
+                pipe.step(x, y, FailsOnce(lm_loss, at=3))
                 failed = False
             except ValueError:
                 failed = True
@@ -204,25 +190,6 @@ def _copy_priority() -> int:
 
 
 # --- soak -------------------------------------------------------------------------
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-        "uordblks", "fordblks", "keepcost")]
-
-
-def heap_in_use() -> int | None:
-    """Bytes malloc has handed out and not got back (glibc's mallinfo2); unlike
-    resident memory it does not move when malloc keeps or returns free pages.
-    None without glibc 2.33+."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd
 
 
 def _bigram_batches(n: int, batch: int, seq: int, vocab: int, dev: str) -> list[tuple]:

@@ -15,7 +15,6 @@ as the rank's action list holds and frees them.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from fastpipe import _microbatch as mbatch
 from fastpipe.balance import Profile, partition, profile
+from fastpipe.balance._partition import improve
 from fastpipe.runtime.checkpoint import MODES, checkpointed
 from fastpipe.schedules import Action, Kind, Schedule, build, names
 
@@ -149,31 +149,14 @@ def balance_for(prof: Profile, schedule: Schedule, speeds: Sequence[float] | Non
     even = partition(costs, schedule.stages, stage_speed)
     if len(set(owners)) == schedule.stages:
         return even
-    n = len(costs)
 
-    def step(bal: tuple[int, ...]) -> tuple[float, float]:
+    def step(bal: Sequence[int]) -> tuple[float, float]:
         cost = _cost_fn(_stage_sums(prof, bal), mode, schedule.microbatches, schedule, transfer_cost)
         sim = schedule.simulate(cost, rank_speed=speeds, latency=latency)
         return sim.makespan, max(bal)
 
-    tried: dict[tuple[int, ...], tuple[float, float]] = {}
-
-    def score(bal: tuple[int, ...]) -> tuple[float, float]:
-        if bal not in tried:
-            tried[bal] = step(bal)
-        return tried[bal]
-
-    best = min((tuple(even), tuple(partition(costs, schedule.stages, stage_speed, owners))), key=score)
-    while True:
-        cuts = [0, *itertools.accumulate(best)]
-        moves = [tuple(b - a for a, b in zip(c, c[1:]))
-                 for k in range(1, len(best)) for d in (-1, 1)
-                 for c in [cuts[:k] + [cuts[k] + d] + cuts[k + 1:]]
-                 if cuts[k - 1] < cuts[k] + d < cuts[k + 1] and cuts[-1] == n]
-        trial = min(moves, key=score, default=None)
-        if trial is None or score(trial) >= score(best):
-            return list(best)
-        best = trial
+    start = min((even, partition(costs, schedule.stages, stage_speed, owners)), key=step)
+    return improve(start, step)
 
 
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:

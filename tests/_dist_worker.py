@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import traceback
@@ -10,6 +9,8 @@ import traceback
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tests.support import heap_in_use
 
 SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 
@@ -154,33 +155,13 @@ def _resources() -> dict:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return {
         "rss": rss,
-        "heap": _heap_in_use(),
+        "heap": heap_in_use(),
         "threads": len(os.listdir("/proc/self/task")),
         "py_threads": threading.active_count(),
         "fds": len(os.listdir("/proc/self/fd")),
         "tensors": _live_tensors(gc, warnings),
         "objects": len(gc.get_objects()),
     }
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-        "uordblks", "fordblks", "keepcost")]
-
-
-def _heap_in_use() -> int | None:
-    """Bytes malloc has handed out and not got back (glibc's mallinfo2: arena
-    chunks in use plus mmapped chunks). Unlike resident memory it does not move
-    when the allocator keeps or returns free pages, so a steady state reads the
-    same from step to step and a leak shows as growth. None without glibc 2.33+."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd
 
 
 def _live_tensors(gc, warnings) -> int:

@@ -23,6 +23,7 @@ from fastpipe.runtime.buffers import BufferRing, copy_slots, last_use
 from fastpipe.schedules import Kind, build, lower, names
 from tests.models import (embedding_model, gpt, gpt_batch, lm_loss, mlp, reference, tied_embedding_model,
                           tuple_model)
+from tests.support import FailsOnce
 
 F = nn.functional
 SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
@@ -305,20 +306,6 @@ def test_a_failed_step_leaves_no_slot_held(monkeypatch):
         pipe.close()
 
 
-class _FailsOnce:
-    """``loss_fn``, except that its ``at``-th call raises: a step that fails
-    with earlier microbatches' backwards done and messages in flight."""
-
-    def __init__(self, loss_fn, at: int) -> None:
-        self.loss_fn, self.at, self.calls = loss_fn, at, 0
-
-    def __call__(self, out, target):
-        self.calls += 1
-        if self.calls == self.at:
-            raise ValueError("loss failed once")
-        return self.loss_fn(out, target)
-
-
 def _gpt_case():
     x, y = gpt_batch(8)
     return gpt, x, y, lm_loss
@@ -348,7 +335,7 @@ def test_pipes_rebuilt_over_one_model_train_it_as_the_unsplit_model(case):
         if fail_first:
             pipe = _pipe(model, schedule, 2, chunks, timeout=10)
             with pytest.raises(ValueError, match="loss failed once"):
-                pipe.step(x, y, _FailsOnce(loss_fn, at=3))
+                pipe.step(x, y, FailsOnce(loss_fn, at=3))
             pipe.close()
             del pipe
         opt.zero_grad(set_to_none=True)

@@ -88,15 +88,27 @@ def _by_rank(prefix: list[float], sizes: list[int], speeds: list[float], owners:
     if math.comb(n - 1, parts - 1) <= _EXHAUSTIVE:
         best = min(((0, *inner, n) for inner in itertools.combinations(range(1, n), parts - 1)),
                    key=score)
-    else:
-        best = (0, *itertools.accumulate(sizes))
-        current = score(best)
-        while True:
-            moves = [best[:k] + (best[k] + d,) + best[k + 1:]
-                     for k in range(1, parts) for d in (-1, 1)
-                     if best[k - 1] < best[k] + d < best[k + 1]]
-            trial = min(moves, key=score, default=None)
-            if trial is None or score(trial) >= current:
-                break
-            best, current = trial, score(trial)
-    return [b - a for a, b in zip(best, best[1:])]
+        return [b - a for a, b in zip(best, best[1:])]
+    return improve(sizes, lambda sizes: score((0, *itertools.accumulate(sizes))))
+
+
+def improve(sizes: Sequence[int], score) -> list[int]:
+    """Local search over balances: moves one cut by one layer at a time,
+    taking the best move, while ``score(sizes)`` (anything ordered, lower is
+    better) gets lower. Scores are cached: each balance is scored once."""
+    known: dict[tuple[int, ...], object] = {}
+
+    def cached(sizes: tuple[int, ...]):
+        if sizes not in known:
+            known[sizes] = score(sizes)
+        return known[sizes]
+
+    best = tuple(sizes)
+    while True:
+        moves = [best[:k - 1] + (best[k - 1] + d, best[k] - d) + best[k + 1:]
+                 for k in range(1, len(best)) for d in (-1, 1)
+                 if best[k - 1] + d >= 1 and best[k] - d >= 1]
+        trial = min(moves, key=cached, default=None)
+        if trial is None or cached(trial) >= cached(best):
+            return list(best)
+        best = trial

@@ -388,8 +388,8 @@ class _Forward:
     What a call needs of its parameters (which train, detached aliases,
     whether the rule accepts the layer, hooks) is worked out once per step
     and parameter set (``plan``, reset by ``install``): the F of a small
-    layer is a few microseconds, and per-call Python of that order made a
-    split schedule's forward a third slower on small blocks. A parameter
+    layer is a few microseconds, so per-call Python of that order is
+    felt. A parameter
     swapped in for one call (a tie's replica in local mode) makes a plan of
     its own; hooks added in the middle of a step are seen from the next."""
 
