@@ -16,7 +16,8 @@ from fastpipe._version import __version__
 
 __all__ = [
     "Layout", "Pipe", "Plan", "WeightRule", "__version__", "balance", "is_recomputing", "kernels",
-    "pack", "plan", "register_weight_rule", "schedules", "selective_recompute", "unpack",
+    "pack", "plan", "register_weight_rule", "schedules", "selective_recompute", "state_dict",
+    "unpack",
 ]
 
 _LAZY = {
@@ -30,6 +31,7 @@ _LAZY = {
     "Plan": "fastpipe._plan",
     "WeightRule": "fastpipe.runtime.deferred",
     "register_weight_rule": "fastpipe.runtime.deferred",
+    "state_dict": "fastpipe._state",
 }
 
 

@@ -82,6 +82,17 @@ class Pipe(nn.Module):
             gloo the Pipe also makes (once per group, collectively over its
             ranks only) two groups of its own for the messages that go up
             and down the ranks; see ``transport.flow_groups`` for why.
+        mesh: instead of ``group``, a ``torch.distributed.device_mesh.DeviceMesh``
+            with dimensions ``("dp", "pp")`` (or ``("pp",)``): the pipeline
+            runs over this process's ``pp`` ranks, and each ``dp`` replica
+            passes its own shard of the batch. After ``step`` the gradients
+            of every rank's parameters are averaged over ``dp`` (bucketed
+            all-reduce) and ``step`` returns the mean loss over the replicas,
+            so each replica holds the gradient of the global batch's mean
+            loss; ``clip_grad_norm_`` then clips by the global norm.
+            Replicas must start from equal weights: the first ``step``
+            refuses (ValueError on every rank) if they differ
+            (``fastpipe._data_parallel``).
         timeout: seconds a rank waits for a peer (or for a free buffer slot)
             before raising TimeoutError.
         overlap: run communication on lanes of fastpipe's native ring (send,
@@ -184,6 +195,7 @@ class Pipe(nn.Module):
         devices: Sequence[DeviceLike] | None = None,
         stages_per_rank: int | None = None,
         group: dist.ProcessGroup | None = None,
+        mesh=None,
         timeout: float = 300.0,
         overlap: bool | None = None,
         checkpoint: str = "never",
@@ -224,6 +236,11 @@ class Pipe(nn.Module):
         check_wire(wire_dtype)
         check_wire(grad_wire_dtype)
         self._wire = {"F": wire_dtype, "B": grad_wire_dtype}
+        self.dp_group = None  # the data-parallel group of a ("dp", "pp") mesh
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("pass group= or mesh=, not both: the mesh's 'pp' dimension is the group")
+            group, self.dp_group = _mesh_groups(mesh)
         self.distributed = group is not None or (dist.is_available() and dist.is_initialized())
         self.group = group
         ranks = dist.get_world_size(group) if self.distributed else None
@@ -300,6 +317,9 @@ class Pipe(nn.Module):
             connect_pairs([*(self._p2p_groups.values() or [group]), *self._late_groups.values()], group,
                           self.schedule.stage_to_rank, self.rank, self.devices[self.rank])
         self._dist_transport = None  # DistTransport or ShmTransport, made at the first step
+        self._grad_average = None  # GradAverage over dp_group, made with the stages
+        # Replicas and tied copies are compared before the first step (and after a load).
+        self._weights_checked = not self.distributed
         self._recording: list | None = None  # set by step_with_timeline
         if self._stages is not None and free_remote:  # last: nothing above may fail after it
             self._free_remote_layers()
@@ -329,6 +349,9 @@ class Pipe(nn.Module):
             box = [balance]
             src = dist.get_global_rank(self.group, holder) if self.group is not None else holder
             dist.broadcast_object_list(box, src=src, group=self.group)
+            if self.dp_group is not None:  # every replica takes the first one's split
+                dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp_group, 0),
+                                           group=self.dp_group)
             balance = box[0]
         self.balance = _resolve_balance(balance, self.module, self.schedule.stages)
         self._find_ties(self.module, self.balance)
@@ -383,16 +406,19 @@ class Pipe(nn.Module):
             # Summed after every step by all ranks together (fastpipe._ties).
             "tied parameters": tuple((t.name, t.stages) for t in self._ties),
         }
-        everyone: list = [None] * self.schedule.ranks
-        dist.all_gather_object(everyone, (mine, self._problem), group=self.group)
-        _raise_first([problem for _, problem in everyone])
-        everyone = [theirs for theirs, _ in everyone]
-        for name in mine:
-            values = [theirs[name] for theirs in everyone]
-            if any(v != values[0] for v in values):
-                listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-                raise ValueError(f"pipeline ranks disagree on {name} ({listed}); every rank must "
-                                 "build the Pipe with the same arguments")
+        for group, who in ((self.group, "pipeline ranks"), (self.dp_group, "data-parallel replicas")):
+            if group is None and who != "pipeline ranks":
+                continue
+            everyone: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, (mine, self._problem), group=group)
+            _raise_first([problem for _, problem in everyone])
+            everyone = [theirs for theirs, _ in everyone]
+            for name in mine:
+                values = [theirs[name] for theirs in everyone]
+                if any(v != values[0] for v in values):
+                    listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                    raise ValueError(f"{who} disagree on {name} ({listed}); every rank must "
+                                     "build the Pipe with the same arguments")
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """Bytes per pipeline rank held by this process, as the executor accounts them.
@@ -585,9 +611,13 @@ class Pipe(nn.Module):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if self._stages is None:
             self._split_by_time(x)
+        if not self._weights_checked:
+            self._check_weights()
         inputs, targets, refused = self._split_inputs(x, target)
         self._input_grads = {}
         tied = self._tied
+        average = self._averager()
+        averaging = False
         if tied is not None:
             tied.begin()  # .grad of parameters tied across ranks: this step's share only
         try:
@@ -603,9 +633,17 @@ class Pipe(nn.Module):
             if tied is not None:
                 self._finish_loss_broadcast()
                 tied.reduce()
-        except BaseException:
+            if average is not None:
+                averaging = True
+                self._finish_loss_broadcast()
+                loss = average.average(loss)
+        except BaseException as exc:
             if tied is not None:
                 tied.restore()  # .grad as before the step, the step's share dropped
+            if average is not None:
+                if not averaging and isinstance(exc, Exception):
+                    average.fail()  # the other replicas must not wait for this one's gradients
+                self._broken = self._broken or exc  # replicas went out of step
             raise
         return loss
 
@@ -631,6 +669,127 @@ class Pipe(nn.Module):
             dist.all_gather_object(gathered, records, group=self.group)
             records = [r for part in gathered for r in part]
         return loss, measured(self._lowered, records)
+
+    def _averager(self):
+        """The data-parallel averaging of this rank's gradients (made with the stages), or None."""
+        if self.dp_group is None:
+            return None
+        if self._grad_average is None:
+            from fastpipe._data_parallel import GradAverage
+
+            params = {id(p): p for st in self._stages[self.rank].values() for p in st.module.parameters()}
+            self._grad_average = GradAverage(list(params.values()), self.dp_group,
+                                             self.devices[self.rank])
+        return self._grad_average
+
+    def _check_weights(self) -> None:
+        """Before the first step (and the first after a load): copies of one
+        tensor on several ranks (a parameter tied across ranks; a rank's
+        stages across data-parallel replicas) must hold the same values.
+        Collective over the pipeline group and the dp group; every rank
+        raises, or none.
+
+        Raises:
+            ValueError: naming the tensor and the ranks, and how to fix it.
+        """
+        from fastpipe._data_parallel import differing
+        from fastpipe._state import held_state_dict
+
+        device = self.devices[self.rank]
+        problems = []
+        if self._tied is not None:
+            named = [(t.name, t.param if self.rank in t.ranks else None) for t in self._tied.ties]
+            problems.append(differing(named, self.group, device, "pipeline ranks sharing a parameter"))
+        if self.dp_group is not None:
+            held = held_state_dict(self.module, self._held_layers(), keep_vars=True)
+            named = [(n, t) for n, t in held.items() if isinstance(t, torch.Tensor)]
+            problems.append(differing(named, self.dp_group, device, "data-parallel replicas"))
+        problem = next((p for p in problems if p), None)
+        for group in (self.group, self.dp_group):  # what one rank found, every rank raises
+            if group is not None:
+                everyone: list = [None] * dist.get_world_size(group)
+                dist.all_gather_object(everyone, problem, group=group)
+                problem = next((p for p in everyone if p), None)
+        if problem is not None:
+            raise ValueError(problem)
+        self._weights_checked = True
+
+    def _held_layers(self) -> list[int]:
+        """The model's layer indices this process runs (every layer in local mode)."""
+        if not self.distributed:
+            return list(range(len(self.module)))
+        if self._stages is None:
+            raise RuntimeError("with balance='auto' the split is made at the first step: "
+                               "call step (or forward) before state_dict or load_state_dict")
+        ranges = self._layer_ranges()
+        return [i for s in sorted(self._stages[self.rank]) for i in ranges[s]]
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The entries of the stages this process holds (every stage in local
+        mode), under the names ``model.state_dict()`` gives them, buffers
+        included; a tensor several layers share is listed once, under its
+        first name in the whole model (``fastpipe._state``).
+
+        Every rank of a distributed pipeline saving its own with
+        ``torch.distributed.checkpoint.save`` writes one checkpoint of the
+        whole model: it loads into the plain model
+        (``fastpipe.state_dict(model)`` are the keys to load) or into a
+        Pipe of another schedule or number of ranks. For optimizer state
+        use ``torch.distributed.checkpoint.state_dict.get_state_dict(pipe,
+        optimizer)`` and ``set_state_dict``, which call these.
+        """
+        if args:
+            raise TypeError("Pipe.state_dict takes keyword arguments only "
+                            "(destination=, prefix=, keep_vars=)")
+        from fastpipe._state import held_state_dict
+
+        return held_state_dict(self.module, self._held_layers(), destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads the entries of the stages this process holds from
+        ``state_dict``: this rank's (as ``state_dict()`` gives them) or the
+        whole model's (entries of other ranks' stages are skipped). A shared
+        tensor may come under any of its names.
+
+        Returns:
+            ``(missing_keys, unexpected_keys)`` as ``nn.Module.load_state_dict``.
+
+        Raises:
+            RuntimeError: ``strict`` and an entry of this rank's stages is
+                missing, or a key names nothing in the model; or a shape
+                differs.
+        """
+        from fastpipe._state import load_held
+
+        result = load_held(self.module, self._held_layers(), state_dict, strict, assign)
+        self._weights_checked = not self.distributed  # compared again before the next step
+        return result
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The parameters of the stages this process holds (every one in
+        local mode), under the model's names: what this rank's optimizer
+        steps and checkpoints (build it over ``pipe.parameters()``). With
+        ``balance="auto"`` in distributed mode the split is made at the first
+        step; before it, every parameter of the model."""
+        yield from self._held(self.module.named_parameters(prefix, recurse, remove_duplicate))
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The buffers of the stages this process holds, as ``named_parameters``."""
+        yield from self._held(self.module.named_buffers(prefix, recurse, remove_duplicate))
+
+    def _held(self, named):
+        if not self.distributed or self._stages is None:
+            yield from named
+            return
+        held = {id(t) for st in self._stages[self.rank].values()
+                for t in itertools.chain(st.module.parameters(), st.module.buffers())}
+        yield from ((name, t) for name, t in named if id(t) in held)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint.state_dict names entries by walking the
+        # modules: the model's layers are reached through self.module, which
+        # the names (as state_dict and named_parameters give them) leave out.
+        return {name: "module" for name in self.module._modules}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
@@ -1080,6 +1239,21 @@ def _resolve_devices(devices, ranks, distributed, group) -> list[torch.device]:
     # comparisons and streams later on see one index.
     return [torch.device("cuda", torch.cuda.current_device()) if d.type == "cuda" and d.index is None
             else d for d in out]
+
+
+def _mesh_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(pipeline group, data-parallel group or None) of a ("dp", "pp") or ("pp",) DeviceMesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                        f"{type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if names not in (("dp", "pp"), ("pp",)):
+        raise ValueError(f"mesh must have dimensions ('dp', 'pp') or ('pp',), got {names!r} "
+                         "(init_device_mesh(..., mesh_dim_names=('dp', 'pp')))")
+    dp = mesh.get_group("dp") if "dp" in names and mesh.size(0) > 1 else None
+    return mesh.get_group("pp"), dp
 
 
 def _resolve_schedule(schedule, ranks: int, chunks: int, stages_per_rank) -> Schedule:

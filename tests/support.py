@@ -1,9 +1,15 @@
 """What the tests and the benchmarks share beside the models: a loss that
-fails on cue, and malloc's bytes in use."""
+fails on cue, malloc's bytes in use, and spawning gloo ranks."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class FailsOnce:
@@ -38,3 +44,43 @@ def heap_in_use() -> int | None:
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return info.uordblks + info.hblkhd
+
+
+def spawn_ranks(worker: str, world: int, cases: list, tmp: Path, timeout: float = 240,
+                env: dict | None = None) -> list:
+    """Runs ``python -m worker RANK WORLD INIT CASES OUT`` for every rank and
+    returns each rank's ``"ok"`` result (the worker saves ``{"ok": ...}`` or
+    ``{"error": traceback}`` to OUT). A rank that hangs is killed after
+    ``timeout`` seconds, so a hang fails the test instead of blocking CI.
+    """
+    cases_path = tmp / "cases.pt"
+    import torch
+
+    torch.save(cases, cases_path)
+    init = f"file://{tmp / 'rendezvous'}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", worker, str(r), str(world), init, str(cases_path),
+             str(tmp / f"rank{r}.pt")],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for r in range(world):
+        path = tmp / f"rank{r}.pt"
+        assert path.exists(), f"rank {r} wrote nothing:\n" + "\n".join(logs)
+        res = torch.load(path, weights_only=False)
+        assert "ok" in res, res.get("error")
+        out.append(res["ok"])
+    return out
