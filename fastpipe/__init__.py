@@ -40,6 +40,6 @@ def __getattr__(name: str) -> Any:
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in ("balance", "kernels", "schedules", "runtime"):
+    if name in ("balance", "hf", "kernels", "schedules", "runtime"):
         return importlib.import_module(f"fastpipe.{name}")
     raise AttributeError(f"module 'fastpipe' has no attribute {name!r}")

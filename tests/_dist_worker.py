@@ -52,7 +52,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         fused_wgrad=case.get("fused", False), shm=case.get("shm", False),
                         free_remote=case.get("free_remote", False))
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
-            loss_fn = models.lm_loss if case.get("lm") else nn.functional.mse_loss
+            loss_fn = models.loss_of(case)
             losses, outs, rings, p2p, input_grads = [], [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:
@@ -67,7 +67,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 rings.append(_ring_stats(pipe))
                 with torch.no_grad(), _amp(case):
                     outs.append(pipe(x))
-                input_grads.append(x.grad)
+                input_grads.append(x.grad if isinstance(x, torch.Tensor) else None)
             norm = pipe.clip_grad_norm_(case["clip"], case.get("norm_type", 2.0)) if case.get("clip") else None
             grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
             meta = sorted(n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta)

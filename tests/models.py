@@ -65,9 +65,19 @@ def tied_embedding_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
                          nn.Linear(11, 3)).to(dtype)
 
 
+def loss_of(case: dict):
+    """The loss a distributed test case trains with: ``case["loss"]`` names a
+    function here; else ``lm_loss`` where ``case["lm"]``, else MSE."""
+    if "loss" in case:
+        return globals()[case["loss"]]
+    return lm_loss if case.get("lm") else nn.functional.mse_loss
+
+
 def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
-    """Loss and grads of the unsplit model: mean over microbatches of loss_fn."""
-    xs = torch.tensor_split(x, chunks)
+    """Loss and grads of the unsplit model: mean over microbatches of loss_fn.
+    ``x`` is a tensor or a tuple of tensors, split along dim 0 as a Pipe splits it."""
+    xs = (torch.tensor_split(x, chunks) if isinstance(x, torch.Tensor)
+          else list(zip(*(torch.tensor_split(t, chunks) for t in x))))
     ys = torch.tensor_split(y, chunks)
     loss = sum(loss_fn(model(a), b) for a, b in zip(xs, ys)) / chunks
     loss.backward()
@@ -224,3 +234,75 @@ def gpt_batch(batch: int, vocab: int = 32, seq: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(vocab, (batch, seq + 1), generator=g)
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+# --- Hugging Face causal LMs (fastpipe.hf) -----------------------------------
+#
+# Tiny configurations built here (nothing downloaded), float64, no dropout,
+# tied input and output embeddings. transformers is imported on first use.
+
+HF_VOCAB = 64
+
+
+def hf_gpt2_lm(seed: int = 0, attn: str = "sdpa"):
+    """A 4-block GPT2LMHeadModel (Conv1D projections, learned positions)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=HF_VOCAB, n_positions=32,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                        bos_token_id=0, eos_token_id=0, attn_implementation=attn)
+    return GPT2LMHeadModel(config).to(torch.float64)
+
+
+def hf_llama_lm(seed: int = 0, attn: str = "sdpa"):
+    """A 4-layer LlamaForCausalLM: RMSNorm, rotary positions, grouped-query attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, vocab_size=HF_VOCAB,
+                         max_position_embeddings=32, tie_word_embeddings=True, bos_token_id=0,
+                         eos_token_id=0, attn_implementation=attn)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def hf_gpt2(seed: int = 0) -> nn.Sequential:
+    """``hf_gpt2_lm`` through ``fastpipe.hf.causal_lm``: 7 layers, the head tied to layer 0."""
+    from fastpipe.hf import causal_lm
+
+    return causal_lm(hf_gpt2_lm(seed))
+
+
+def hf_llama(seed: int = 0) -> nn.Sequential:
+    """``hf_llama_lm`` through ``fastpipe.hf.causal_lm``: 7 layers, the head tied to layer 0."""
+    from fastpipe.hf import causal_lm
+
+    return causal_lm(hf_llama_lm(seed))
+
+
+def hf_lm_loss(logits, labels):
+    """``fastpipe.hf.lm_loss``: shifted next-token cross-entropy, -100 ignored."""
+    from fastpipe.hf import lm_loss
+
+    return lm_loss(logits, labels)
+
+
+def hf_batch(rows: int, seq: int = 8, padding: str | None = None, seed: int = 0):
+    """``(input_ids, labels)``, or with ``padding`` ("left" or "right")
+    ``((input_ids, attention_mask), labels)``: row ``i`` has ``i % 3`` padded
+    positions on that side, their labels -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(HF_VOCAB, (rows, seq), generator=g)
+    if padding is None:
+        return ids, ids.clone()
+    if padding not in ("left", "right"):
+        raise ValueError(f"padding must be None, 'left' or 'right', got {padding!r}")
+    mask = torch.ones_like(ids)
+    for i in range(rows):
+        pad = i % 3
+        if pad and padding == "left":
+            mask[i, :pad] = 0
+        elif pad:
+            mask[i, seq - pad:] = 0
+    return (ids, mask), ids.masked_fill(mask == 0, -100)

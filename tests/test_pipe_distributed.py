@@ -6,10 +6,7 @@ the cost of starting processes is paid once per world size.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,49 +16,23 @@ from torch import nn
 
 from fastpipe.schedules import names
 from tests import models
+from tests.support import spawn_ranks
 
 pytestmark = pytest.mark.multiprocess
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spawn(world: int, cases: list[dict], tmp: Path, timeout: float = 240,
            env: dict | None = None) -> list[dict]:
-    cases_path = tmp / "cases.pt"
-    torch.save(cases, cases_path)
-    init = f"file://{tmp / 'rendezvous'}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests._dist_worker", str(r), str(world), init,
-             str(cases_path), str(tmp / f"rank{r}.pt")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:  # a hang fails the test instead of blocking CI
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = []
-    for r in range(world):
-        path = tmp / f"rank{r}.pt"
-        assert path.exists(), f"rank {r} wrote nothing:\n" + "\n".join(logs)
-        res = torch.load(path, weights_only=False)
-        assert "ok" in res, res.get("error")
-        out.append(res["ok"])
-    return out
+    return spawn_ranks("tests._dist_worker", world, cases, tmp, timeout, env)
 
 
-def _batches(model: str, steps: int, rows: int = 10):
+def _batches(model: str, steps: int, rows: int = 10, padding: str | None = None):
     torch.manual_seed(7)
     out = []
     for step in range(steps):
-        if model.startswith("gpt"):
+        if model.startswith("hf_"):
+            out.append(models.hf_batch(rows, padding=padding, seed=step))
+        elif model.startswith("gpt"):
             out.append(models.gpt_batch(rows, seed=step))
         elif model in ("embedding_model", "tied_embedding_model"):
             seq = 4 + step  # a different sequence length every step
@@ -75,7 +46,7 @@ def _batches(model: str, steps: int, rows: int = 10):
 
 def _case(schedule, model="mlp", chunks=4, balance=None, steps=1, **options):
     return {"schedule": schedule, "model": model, "chunks": chunks, "balance": balance,
-            "batches": _batches(model, steps), **options}
+            "batches": _batches(model, steps, padding=options.get("padding")), **options}
 
 
 def _verify(cases: list[dict], results: list[list[dict]]) -> None:
@@ -83,7 +54,7 @@ def _verify(cases: list[dict], results: list[list[dict]]) -> None:
         ref_model = getattr(models, case["model"])()
         grads: dict[str, torch.Tensor] = {}
         expected_losses = []
-        loss_fn = models.lm_loss if case.get("lm") else nn.functional.mse_loss
+        loss_fn = models.loss_of(case)
         for x, y in case["batches"]:
             loss, ref_grads = models.reference(ref_model, x, y, loss_fn, case["chunks"])
             expected_losses.append(loss)
@@ -236,6 +207,33 @@ def test_parameters_tied_across_stages(tmp_path):
         tied = "1.weight" if case["model"] == "tied_mlp" else "0.weight"
         across = case["schedule"] not in ("zbv", "dualpipev")
         assert [tied in h for h in held] == [True, across], case["schedule"]
+
+
+HF = {"loss": "hf_lm_loss", "tied": True}  # the head's weight is the token embedding's
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_hugging_face_causal_lms(tmp_path):
+    """GPT-2 and Llama through fastpipe.hf.causal_lm (tests/test_hf.py checks
+    those against the models' own forward): every schedule with the tied
+    embedding on both ranks (on one under V placement); padded inputs,
+    (input_ids, attention_mask), whose integer mask crosses every boundary,
+    also with NCCL's message rules and over shared memory."""
+    pytest.importorskip("transformers")
+    cases = [_case(s, model=m, **HF) for m in ("hf_gpt2", "hf_llama") for s in names()]
+    cases += [
+        _case("1f1b", model="hf_gpt2", padding="left", steps=2, **HF),
+        _case("zbv", model="hf_llama", padding="left", steps=2, **HF),
+        _case("interleaved-1f1b", model="hf_llama", padding="right", **HF),
+        _case("zb-h1", model="hf_llama", padding="left", exact=True, overlap=False, **HF),
+        _case("dualpipev", model="hf_gpt2", padding="right", **HF, **SHM),
+    ]
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for i, case in enumerate(cases):
+        held = ["0.wte.weight" in r[i]["grads"] or "0.embed_tokens.weight" in r[i]["grads"]
+                for r in results]
+        assert held == [True, case["schedule"] not in ("zbv", "dualpipev")], case["schedule"]
 
 
 @pytest.mark.timeout(300)
