@@ -157,12 +157,20 @@ class Pipe(nn.Module):
             dtype, so each process keeps the weights of its own stages only
             (every rank builds the whole model first; with it, a rank then
             holds about 1/ranks of the weights). Their data is freed once
-            nothing else refers to it: build the optimizer after the Pipe
-            (one built before still holds the old tensors, harmlessly: they
-            get no gradient). ``model.state_dict()`` then has meta tensors
-            for those layers, so save each rank's own stages. Default False:
+            nothing else refers to it: build the optimizer after the Pipe,
+            over ``pipe.parameters()`` (one built before still holds the old
+            tensors, harmlessly: they get no gradient). ``model.state_dict()``
+            then has meta tensors for those layers; ``pipe.state_dict()``
+            has this rank's own. Default False:
             every rank keeps the whole model, as built. Layers a Pipe must
             run that hold meta tensors are refused (ValueError on every rank).
+
+    Checkpoints: ``pipe.state_dict()`` holds the stages this process runs,
+    under the model's names; ``pipe.parameters()`` are theirs (build a
+    distributed rank's optimizer over them), so
+    ``torch.distributed.checkpoint``'s ``get_state_dict(pipe, optimizer)``
+    and ``set_state_dict`` save and load a pipeline by name, across
+    schedules and numbers of ranks (``fastpipe._state``).
 
     ``balance="auto"`` balances measured layer times (``balance_by_time``;
     by simulating the schedule where a rank runs several stages) on
