@@ -6,8 +6,10 @@ the replicas average what they computed over the ``dp`` group, rank by
 rank: the gradients of the parameters that rank holds (so each replica ends
 the step with the gradient of the mean loss over the global batch, as the
 unsplit model over all shards would) and the loss. Gradients go in buckets
-of about ``BUCKET_BYTES`` per dtype and device, all started before any is
-waited for (as DDP buckets them).
+of about ``BUCKET_BYTES`` per dtype and device (as DDP buckets them); a
+stage's start as soon as its last backward of the step has run, so a rank
+that holds several stages (V and interleaved schedules) averages one
+while it computes the others, and all are waited for at the end.
 
 Before the replicas' first step their weights are compared (``differing``):
 replicas that start apart stay apart, silently, since each applies the same
@@ -16,7 +18,8 @@ averaged update to different weights.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,93 +29,124 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class GradAverage:
-    """Averages gradients and the loss over the data-parallel group after each step.
+    """Averages gradients and the loss over the data-parallel group, each
+    stage's gradients as soon as its step's last backward has run.
 
-    Every rank of the ``dp`` group calls ``average`` (or ``fail``) once per
-    step, in the same order. A parameter that no replica produced a
-    gradient for keeps ``.grad`` as it was; one that some replicas did not
-    touch counts zeros from them.
+    Per step: ``begin()``; ``stage_done(s)`` as each stage's gradients are
+    final (from the executor, while the rank goes on with its other
+    stages); then ``average(loss)``, or ``fail()`` if the step failed. Every
+    rank of the ``dp`` group holds the same stages and runs the same
+    schedule, so all issue the same collectives in the same order. A
+    parameter that no replica produced a gradient for keeps ``.grad`` as it
+    was; one that some replicas did not touch counts zeros from them.
 
     Args:
-        params: The parameters this rank's stages hold, each once, in the
-            same order on every replica.
+        stages: This rank's stages' parameters, by stage index.
+        order: The stage indices in the order their gradients complete.
+        late: ids of parameters whose gradients change after the step
+            (tied across pipeline ranks: summed over the pipeline group
+            first); averaged in ``average``.
         group: The ``dp`` process group.
         device: Where the rank's collectives run (its device: NCCL needs a GPU).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup,
-                 device: torch.device) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.group = group
-        self.device = device
+    def __init__(self, stages: Mapping[int, Sequence[nn.Parameter]], order: Sequence[int],
+                 late: Collection[int], group: dist.ProcessGroup, device: torch.device) -> None:
+        last = {id(p): s for s in order for p in stages[s]}  # a parameter two stages use: the later
+        self._early: dict[int, list[nn.Parameter]] = {s: [] for s in order}
+        self._late: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for s in order:
+            for p in stages[s]:
+                if p.requires_grad and last[id(p)] == s and id(p) not in seen:
+                    seen.add(id(p))
+                    (self._late if id(p) in late else self._early[s]).append(p)
+        self.group, self.device = group, device
         self.size = dist.get_world_size(group)
+        self.begin()
+
+    def begin(self) -> None:
+        self._waiting = list(self._early)  # stages whose all-reduce has not started
+        self._work: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+
+    def stage_done(self, stage: int) -> None:
+        """Starts the all-reduce of ``stage``'s gradients."""
+        self._waiting.remove(stage)
+        self._start(self._early[stage])
 
     def average(self, loss: torch.Tensor) -> torch.Tensor:
-        """Averages this step's gradients over the replicas; returns the mean loss.
+        """Finishes the step's all-reduces; returns the mean loss over the replicas.
 
         Raises:
             RuntimeError: another replica's step failed (it called ``fail``);
                 gradients are then left as this replica computed them.
         """
-        produced = self._exchange(failed=False, loss=loss)
-        work = []
-        for bucket in self._buckets(produced):
-            flat = torch.cat([_grad_or_zeros(p, self.device).reshape(-1) for p in bucket])
-            work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
-        for handle, flat, bucket in work:
-            handle.wait()
-            flat.div_(self.size)
-            offset = 0
-            for p in bucket:
-                part = flat[offset : offset + p.numel()].view_as(p)
-                offset += p.numel()
-                if p.grad is None:
-                    p.grad = part.to(p.device).clone()
-                else:
-                    p.grad.copy_(part)
-        return self._loss
+        self._start_rest()
+        failed, total = self._exchange(False, loss)
+        self._finish(copy=not failed)
+        if failed:
+            raise RuntimeError(
+                f"the step failed on {failed} of the {self.size} data-parallel replicas "
+                "(their ranks raised the cause); this replica's gradients were not averaged")
+        return torch.tensor(total / self.size, dtype=loss.dtype, device=loss.device)
 
     def fail(self) -> None:
-        """This replica's step failed: tells the others, so none waits for its gradients."""
-        self._exchange(failed=True, loss=None)
+        """This replica's step failed: issues what it still owes the others
+        (zeros), flagged as failed, so none waits for its gradients."""
+        self._start_rest(zeros=True)
+        self._exchange(True, None)
+        self._finish(copy=False)
 
-    def _exchange(self, failed: bool, loss: torch.Tensor | None) -> list[bool]:
-        """One small all-reduce: which parameters have a gradient anywhere,
-        whether any replica failed, and the sum of the losses."""
-        head = torch.zeros(len(self.params) + 2, dtype=torch.float64, device=self.device)
-        if not failed:
-            head[: len(self.params)] = torch.tensor([p.grad is not None for p in self.params],
-                                                    dtype=torch.float64)
-            head[-1] = loss.detach().double()
-        head[-2] = float(failed)
-        dist.all_reduce(head, group=self.group)
-        values = head.tolist()
-        if failed:
-            return []
-        if values[-2] > 0:
-            raise RuntimeError(
-                f"the step failed on {int(values[-2])} of the {self.size} data-parallel replicas "
-                "(their ranks raised the cause); this replica's gradients were not averaged")
-        self._loss = torch.tensor(values[-1] / self.size, dtype=loss.dtype, device=loss.device)
-        return [v > 0 for v in values[: len(self.params)]]
+    def _start_rest(self, zeros: bool = False) -> None:
+        for stage in self._waiting:
+            self._start(self._early[stage], zeros)
+        self._waiting = []
+        self._start(self._late, zeros)
 
-    def _buckets(self, produced: list[bool]) -> list[list[nn.Parameter]]:
-        """Parameters some replica has a gradient for, by dtype and device, in
-        buckets of about ``BUCKET_BYTES`` (the same on every replica)."""
+    def _start(self, params: list[nn.Parameter], zeros: bool = False) -> None:
+        """Async all-reduces of ``params``' gradients, in buckets of about
+        ``BUCKET_BYTES`` by dtype and device, each with one flag per
+        parameter (1 where this replica has a gradient)."""
         groups: dict[tuple, list[list[nn.Parameter]]] = {}
-        for p, has in zip(self.params, produced):
-            if not has:
-                continue
+        for p in params:
             buckets = groups.setdefault((p.dtype, p.device), [[]])
             if buckets[-1] and sum(q.numel() for q in buckets[-1]) * p.element_size() >= BUCKET_BYTES:
                 buckets.append([])
             buckets[-1].append(p)
-        return [b for buckets in groups.values() for b in buckets]
+        for bucket in (b for buckets in groups.values() for b in buckets):
+            has = [p.grad is not None and not zeros for p in bucket]
+            flat = torch.cat([*(p.grad.reshape(-1).to(self.device) if h
+                                else torch.zeros(p.numel(), dtype=p.dtype, device=self.device)
+                                for p, h in zip(bucket, has)),
+                              torch.tensor(has, dtype=bucket[0].dtype, device=self.device)])
+            self._work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
 
+    def _finish(self, copy: bool) -> None:
+        work, self._work = self._work, []
+        for handle, flat, bucket in work:
+            handle.wait()
+            if not copy:
+                continue
+            flags = flat[-len(bucket):].tolist()
+            flat = flat[: -len(bucket)].div_(self.size)
+            offset = 0
+            for p, flag in zip(bucket, flags):
+                part = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if flag == 0:
+                    continue  # no replica has a gradient for it
+                if p.grad is None:
+                    p.grad = part.to(p.device).clone()
+                else:
+                    p.grad.copy_(part)
 
-def _grad_or_zeros(p: nn.Parameter, device: torch.device) -> torch.Tensor:
-    grad = p.grad if p.grad is not None else torch.zeros_like(p)
-    return grad.to(device)
+    def _exchange(self, failed: bool, loss: torch.Tensor | None) -> tuple[int, float]:
+        """One small all-reduce: how many replicas failed, and the sum of their losses."""
+        head = torch.tensor([float(failed), 0.0 if failed else float(loss.detach())],
+                            dtype=torch.float64, device=self.device)
+        dist.all_reduce(head, group=self.group)
+        failures, total = head.tolist()
+        return int(failures), total
 
 
 def differing(named: Sequence[tuple[str, torch.Tensor | None]], group: dist.ProcessGroup,

@@ -19,7 +19,7 @@ from fastpipe import _microbatch as mbatch
 from fastpipe._ties import LocalTies, TiedGrads, check_local, find_ties
 from fastpipe.balance import balance_by_params
 from fastpipe.runtime.checkpoint import check_mode, stochastic
-from fastpipe.runtime.executor import LossFn, RankExecutor, Stage
+from fastpipe.runtime.executor import LossFn, RankExecutor, Stage, last_backward
 from fastpipe.runtime.packing import check_wire
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.lanes import lanes_for
@@ -628,6 +628,8 @@ class Pipe(nn.Module):
         averaging = False
         if tied is not None:
             tied.begin()  # .grad of parameters tied across ranks: this step's share only
+        if average is not None:
+            average.begin()
         try:
             try:
                 results = self._run(self._lowered, inputs, targets, loss_fn, train=True,
@@ -685,9 +687,11 @@ class Pipe(nn.Module):
         if self._grad_average is None:
             from fastpipe._data_parallel import GradAverage
 
-            params = {id(p): p for st in self._stages[self.rank].values() for p in st.module.parameters()}
-            self._grad_average = GradAverage(list(params.values()), self.dp_group,
-                                             self.devices[self.rank])
+            stages = {i: list(st.module.parameters()) for i, st in self._stages[self.rank].items()}
+            done = last_backward(self._lowered.actions[self.rank])
+            late = {id(t.param) for t in self._tied.ties} if self._tied is not None else set()
+            self._grad_average = GradAverage(stages, sorted(stages, key=done.__getitem__), late,
+                                             self.dp_group, self.devices[self.rank])
         return self._grad_average
 
     def _check_weights(self) -> None:
@@ -920,9 +924,11 @@ class Pipe(nn.Module):
                 raise
             transport = self._transport(self.rank, None)
             transport.all_actions = schedule.actions  # exact messages follow the senders' order
+            average = self._grad_average if train else None
             executor = RankExecutor(self.rank, schedule, self._stages[self.rank], transport,
                                     self.checkpoint, fused_wgrad=self.fused_wgrad,
-                                    autocast=autocast_state())
+                                    autocast=autocast_state(),
+                                    grads_done=average.stage_done if average is not None else None)
             if self._recording is not None:
                 dist.barrier(group=self.group)  # every rank's clock starts together
                 executor.records = self._recording

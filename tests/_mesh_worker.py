@@ -93,6 +93,25 @@ def _refused(case: dict, mesh) -> dict:
     return {"refused": message}
 
 
+def _fails(case: dict, mesh) -> dict:
+    """Replica 1's loss raises mid-step: every rank raises, none waits for
+    the others; the next step refuses on every rank."""
+    from tests import models
+    from tests.support import FailsOnce
+
+    pipe = _pipe(case, getattr(models, case["model"])(), mesh)
+    loss_fn = _loss_fn(case)
+    if mesh.get_local_rank("dp") == 1:
+        loss_fn = FailsOnce(loss_fn, at=2)
+    out = {}
+    for when in ("step", "next step"):
+        try:
+            pipe.step(*_shard(case["batches"][0], mesh), loss_fn)
+        except Exception as exc:
+            out[when] = (type(exc).__name__, str(exc))
+    return out
+
+
 def _train(case: dict, mesh, model, pipe, steps, batches, opt) -> list[float]:
     losses = []
     for step in steps:

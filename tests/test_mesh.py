@@ -63,8 +63,19 @@ def test_dp_times_pp_reproduces_the_global_batch(tmp_path):
                   "batches": _batches("gpt", 1), "apart": "dp"})
     cases.append({"kind": "refused", "model": "tied_embedding_model", "schedule": "1f1b", "chunks": 4,
                   "batches": _batches("tied", 1), "apart": "tie"})
+    # A step that fails on one replica fails on all (the others do not wait for its gradients).
+    cases.append({"kind": "fails", "model": "gpt", "schedule": "zbv", "chunks": CHUNKS, "lm": True,
+                  "batches": _batches("gpt", 1)})
     results = spawn_ranks("tests._mesh_worker", 4, cases, tmp_path)
     for i, case in enumerate(cases):
+        if case["kind"] == "fails":
+            healthy = [r[i]["step"] for r in results[:2]]
+            assert all(kind == "RuntimeError" and "failed on 1 of the 2 data-parallel replicas" in why
+                       for kind, why in healthy), healthy
+            assert sorted(r[i]["step"][0] for r in results[2:]) == ["PeerError", "ValueError"]
+            for rank_results in results:
+                assert "an earlier step of this Pipe failed" in rank_results[i]["next step"][1]
+            continue
         if case["kind"] == "refused":
             who = {"dp": "data-parallel replicas", "tie": "pipeline ranks sharing a parameter"}
             for rank_results in results:

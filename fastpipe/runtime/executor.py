@@ -100,6 +100,11 @@ class _Saved:
     pending: deferred.Pending | None = None
 
 
+def last_backward(actions: Sequence[Action]) -> dict[int, int]:
+    """Index of each stage's last B, I or W in a rank's list."""
+    return {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.I, Kind.W)}
+
+
 def _range(a: Action) -> record_function:
     return record_function(f"fastpipe.{a.kind.name} stage={a.stage} mb={a.microbatch}")
 
@@ -144,6 +149,10 @@ class RankExecutor:
             its generator seeded from it and its (stage, microbatch)
             (``checkpoint.seeded``), so ``torch.manual_seed`` makes a step
             repeat whatever order the ranks' threads ran in.
+        grads_done: training: called with a stage's index once its step's
+            gradients are all in ``.grad`` (after its last B or W, its
+            gathered W work run at once), while the rank goes on with its
+            other stages: data parallelism starts that stage's all-reduce.
     """
 
     def __init__(
@@ -159,8 +168,10 @@ class RankExecutor:
         autocast: tuple[Autocast, bool] = ((), True),
         python_chains: bool = True,
         rng_seed: int | None = None,
+        grads_done: Callable[[int], None] | None = None,
     ) -> None:
         self.rank = rank
+        self.grads_done = grads_done
         self.python_chains = python_chains
         self.gather_w = chain_gathering()  # W gathered over microbatches, fused into .grad
         self._amp, self._amp_cache = autocast
@@ -187,6 +198,8 @@ class RankExecutor:
         }
         # After the action at index i, hand back the buffers of this (stage, mb).
         self._release_at = {i: key for key, i in last_use(self.actions).items()}
+        # After the action at index i, this stage's last backward of the step has run.
+        self._grads_done_at = {i: stage for stage, i in last_backward(self.actions).items()}
         # (stage, mb) of each B whose very next action sends its input gradient:
         # a chain stage sends it between I and W (``_backward``).
         self._send_after_i = {
@@ -295,11 +308,14 @@ class RankExecutor:
         # ("fastpipe.F stage=1 mb=3"), so the user's trace shows the schedule;
         # without one, the loop has nothing extra to do.
         profiling = torch.autograd.profiler._is_profiler_enabled
+        done_at = self._grads_done_at if self.grads_done is not None and self._train else {}
         if origin is None and not profiling:
             for i, action in enumerate(self.actions):
                 verbs[action.kind](self, action)
                 if i in release_at:
                     self._release(release_at[i])
+                if i in done_at:
+                    self._stage_grads_done(done_at[i], origin)
         else:
             for i, action in enumerate(self.actions):
                 with _range(action) if profiling else nullcontext():
@@ -309,6 +325,8 @@ class RankExecutor:
                         self._timed(action, origin)
                 if i in release_at:
                     self._release(release_at[i])
+                if i in done_at:
+                    self._stage_grads_done(done_at[i], origin)
         with record_function("fastpipe.W gathered") if profiling else nullcontext():
             self._flush_deferred(origin)
         self.transport.finish()
@@ -318,15 +336,26 @@ class RankExecutor:
         when the step returns; on a timeline it is a W of the step's last
         microbatch."""
         for i, stage in self.stages.items():
-            if not stage.weights.waiting:
-                continue
-            t0 = time.perf_counter()
-            self._hold(-stage.weights.nbytes)
-            stage.weights.flush()
-            if self.records is not None:
-                last = Action(i, Kind.W, self.schedule.microbatches - 1)
-                self.records.append(TimelineRecord(self.rank, last, t0 - origin,
-                                                   time.perf_counter() - origin))
+            if stage.weights.waiting:
+                self._flush_stage(i, origin)
+
+    def _flush_stage(self, i: int, origin: float | None) -> None:
+        stage = self.stages[i]
+        t0 = time.perf_counter()
+        self._hold(-stage.weights.nbytes)
+        stage.weights.flush()
+        if self.records is not None:
+            last = Action(i, Kind.W, self.schedule.microbatches - 1)
+            self.records.append(TimelineRecord(self.rank, last, t0 - origin,
+                                               time.perf_counter() - origin))
+
+    def _stage_grads_done(self, i: int, origin: float | None) -> None:
+        """Stage ``i`` ran its step's last backward: its W work still waiting
+        runs now (nothing more will join it), and ``grads_done`` hears that
+        its gradients are final (a data-parallel all-reduce starts there)."""
+        if self.stages[i].weights.waiting:
+            self._flush_stage(i, origin)
+        self.grads_done(i)
 
     def _unsent(self) -> list[tuple[tuple[str, int, int], int]]:
         """(key, destination rank) of every message of the step not sent yet."""
