@@ -6,8 +6,8 @@ step between), each step's gradients against the unsplit model's. On one
 GPU this crashed once the first Pipe's CUDA streams were destroyed while
 torch still referred to them (``fastpipe/runtime/streams.py``). A GPT of
 ``tests.models`` runs it, and, where ``transformers`` is importable, a
-Hugging Face GPT-2 (a tiny config, tied embeddings, no download) cut into
-an ``nn.Sequential`` of its own modules, against the HF model's own forward.
+Hugging Face GPT-2 (a tiny config, tied embeddings, no download) laid out
+by ``fastpipe.hf.causal_lm``, against the HF model's own forward.
 
 ``soak``: 200 AdamW steps under bf16 autocast with 1f1b and with zbv: the
 loss goes down; live and reserved GPU memory and the host heap stop
@@ -112,38 +112,11 @@ def _gpt_rebuild(dev: str, small: bool, check: Check) -> None:
                       dict(ref.named_parameters()), x, y, 4, dev, 1e-10, check)
 
 
-class HFEmbeddings(nn.Module):
-    """GPT-2's token and position embeddings as one layer (GPT2Model's first lines)."""
-
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
-        super().__init__()
-        self.wte, self.wpe = wte, wpe
-
-    def forward(self, ids):
-        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
-
-
-class HFBlock(nn.Module):
-    """A GPT2Block, its output tuple's hidden states only (no mask: causal attention)."""
-
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, h):
-        return self.block(h)[0]
-
-
-def hf_gpt2_sequential(hf: nn.Module) -> nn.Sequential:
-    """A GPT2LMHeadModel's own modules as layers: embeddings, blocks, ln_f, lm_head
-    (whose weight is wte's when the embeddings are tied)."""
-    t = hf.transformer
-    return nn.Sequential(HFEmbeddings(t.wte, t.wpe), *[HFBlock(b) for b in t.h], t.ln_f, hf.lm_head)
-
-
 def _hf_rebuild(dev: str, small: bool, check: Check) -> None:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
+
+        from fastpipe.hf import causal_lm
     except ImportError:
         print("  (transformers not importable: the Hugging Face GPT-2 is skipped)")
         return
@@ -155,7 +128,7 @@ def _hf_rebuild(dev: str, small: bool, check: Check) -> None:
     ref = copy.deepcopy(hf)
     check("hf gpt2: lm_head's weight is wte's (tied)", hf.lm_head.weight is hf.transformer.wte.weight)
     x, y = (t.to(dev) for t in gpt_batch(8 if small else 16, vocab=vocab, seq=seq))
-    _rebuild_sequence("hf gpt2 fp32", hf_gpt2_sequential(hf), dict(hf.named_parameters()),
+    _rebuild_sequence("hf gpt2 fp32", causal_lm(hf), dict(hf.named_parameters()),
                       lambda ids: ref(input_ids=ids).logits, dict(ref.named_parameters()),
                       x, y, 4, dev, 1e-4, check)
 
