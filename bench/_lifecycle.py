@@ -15,7 +15,7 @@ growing once warmed up.
 
 Both take the device check's ``check(name, ok, detail)`` and
 ``figure(name, value, unit, note)``. On ``dev="cpu"`` (the rehearsal) the
-Pipes are forced onto the copy path (``pipe._copies = True``, host lanes),
+Pipes are forced onto the copy path (``pipe._runner.copies = True``, host lanes),
 the path GPU ranks take, at tiny sizes.
 """
 
@@ -43,7 +43,7 @@ def _pipe(model: nn.Sequential, schedule: str, dev: str, chunks: int):
     devices = ["cuda:0", "cuda:0"] if dev == "cuda" else ["cpu", "cpu"]
     pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices, timeout=60,
                 stages_per_rank=2 if schedule == "zbv" else None)
-    pipe._copies = True  # on a GPU already so; on the CPU the same path with host lanes
+    pipe._runner.copies = True  # on a GPU already so; on the CPU the same path with host lanes
     return pipe
 
 

@@ -498,12 +498,12 @@ def section_local() -> None:
                 check(f"{schedule}: 2-rank local pipeline on one device reproduces the sequential "
                       "gradients", diff <= 1e-5 * scale, f"max abs diff {diff:.1e}, largest gradient {scale:.1e}")
                 if DEV == "cuda":
-                    lanes = pipe._device_lanes[0]
+                    lanes = pipe._runner.device_lanes[0]
                     caller = torch.cuda.current_stream().cuda_stream
                     check(f"{schedule}: ranks have compute streams of their own and receive "
                           "into the buffer ring",
                           lanes.compute_stream.handle not in (0, caller)
-                          and pipe._recv_rings is not None and bool(pipe._recv_rings.rings),
+                          and pipe._runner.recv_rings is not None and bool(pipe._runner.recv_rings.rings),
                           f"compute stream {lanes.compute_stream.handle:#x}, caller's {caller:#x}")
             # In turns, so a slow spell of the machine falls on both.
             times = round_robin_medians({"seq": sequential, "pipe": lambda: pipe.step(x, y, loss_fn)},
@@ -525,11 +525,11 @@ def section_local() -> None:
                 # to each other; the step with a shorter switch interval.
                 from fastpipe.runtime.threads import SHORT_SWITCH_INTERVAL
 
-                pipe._switch_interval = SHORT_SWITCH_INTERVAL
+                pipe._runner.switch_interval = SHORT_SWITCH_INTERVAL
                 try:
                     t_short = _wall_time(lambda: pipe.step(x, y, loss_fn))
                 finally:
-                    pipe._switch_interval = None
+                    pipe._runner.switch_interval = None
                 figure(f"{label} {schedule}: step time at a {SHORT_SWITCH_INTERVAL * 1e3:g} ms GIL switch "
                        "interval / at the default", t_short / t_pipe, "", f"default {sys.getswitchinterval() * 1e3:g} ms")
                 pipe.close()
@@ -546,7 +546,7 @@ def section_local() -> None:
                 if hidden is not None:
                     figure(f"{label} {schedule}: copy time on the GPU hidden behind kernels", hidden, "",
                            "torch profiler, device timeline")
-            rings = pipe._recv_rings
+            rings = pipe._runner.recv_rings
             slots_before = {k: (r.size, r.allocations) for k, r in rings.rings.items()} if rings else {}
             before, live = _segments(), []
             for _ in range(10):

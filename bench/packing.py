@@ -23,7 +23,8 @@ from torch import nn
 
 from bench._runner import median_time, round_robin_medians, spawn
 from fastpipe import pack, unpack
-from fastpipe.runtime.transport import DistTransport, _describe
+from fastpipe.runtime.transport.base import describe
+from fastpipe.runtime.transport.dist import DistTransport
 
 TOTAL = 4 << 20  # bytes per throughput case
 
@@ -112,7 +113,7 @@ class UnpackedTransport(DistTransport):
             return tensors, spec, held
         works, bufs, layout = posted
         for w in works:
-            self._wait(w, _describe(key))
+            self._wait(w, describe(key))
         return [b.requires_grad_(s["grad"]) for b, s in zip(bufs, layout)], self._specs[key[:2]], None
 
 
@@ -141,10 +142,11 @@ def _rank_main(rank, world, init, queue, width, repeats):
     pipes = {}
     try:
         for name in ("packed", "unpacked"):
-            pipe = Pipe(_five_model(width), chunks=16, schedule="1f1b", balance=[2, 2], overlap=False)
+            pipe = Pipe(_five_model(width), chunks=16, schedule="1f1b", balance=[2, 2], overlap=False,
+                        shm=False)  # the gloo path: the bench swaps in its own DistTransport
             if name == "unpacked":
-                t = pipe._transport(rank, None)
-                pipe._dist_transport = UnpackedTransport(t.group, t.device, t.stages, t.timeout, None,
+                t = pipe._runner.transport_for(rank)
+                pipe._runner.transport = UnpackedTransport(t.group, t.device, t.stages, t.timeout, None,
                                                          t.wire, stage_to_rank=t.stage_to_rank,
                                                          groups=t.groups)
             pipes[name] = pipe

@@ -15,9 +15,9 @@ from typing import Any
 from fastpipe._version import __version__
 
 __all__ = [
-    "Layout", "Pipe", "Plan", "WeightRule", "__version__", "balance", "is_recomputing", "kernels",
-    "pack", "plan", "register_weight_rule", "schedules", "selective_recompute", "state_dict",
-    "unpack",
+    "Layout", "PeerError", "Pipe", "Plan", "ScheduleError", "WeightRule", "__version__", "balance",
+    "is_recomputing", "kernels", "pack", "plan", "register_weight_rule", "schedules",
+    "selective_recompute", "state_dict", "unpack",
 ]
 
 _LAZY = {
@@ -32,6 +32,8 @@ _LAZY = {
     "WeightRule": "fastpipe.runtime.deferred",
     "register_weight_rule": "fastpipe.runtime.deferred",
     "state_dict": "fastpipe._state",
+    "PeerError": "fastpipe.runtime.transport",
+    "ScheduleError": "fastpipe.schedules",
 }
 
 

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+__all__ = ["BUCKET_BYTES", "GradAverage", "check_weights", "differing"]
+
 BUCKET_BYTES = 25 * 2**20
 
 
@@ -147,6 +149,34 @@ class GradAverage:
         dist.all_reduce(head, group=self.group)
         failures, total = head.tolist()
         return int(failures), total
+
+
+def check_weights(ties: Sequence, rank: int, held: Mapping[str, Any], group: dist.ProcessGroup,
+                  dp_group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Copies of one tensor on several ranks must hold the same values: a
+    parameter tied across pipeline ranks (``ties``, compared over ``group``),
+    and this rank's stages' entries ``held`` across data-parallel replicas
+    (over ``dp_group``). Collective over both groups; every rank raises, or
+    none.
+
+    Raises:
+        ValueError: naming the tensor and the ranks, and how to fix it.
+    """
+    problems = []
+    if ties:
+        named = [(t.name, t.param if rank in t.ranks else None) for t in ties]
+        problems.append(differing(named, group, device, "pipeline ranks sharing a parameter"))
+    if dp_group is not None:
+        named = [(n, t) for n, t in held.items() if isinstance(t, torch.Tensor)]
+        problems.append(differing(named, dp_group, device, "data-parallel replicas"))
+    problem = next((p for p in problems if p), None)
+    for g in (group, dp_group):  # what one rank found, every rank raises
+        if g is not None:
+            everyone: list = [None] * dist.get_world_size(g)
+            dist.all_gather_object(everyone, problem, group=g)
+            problem = next((p for p in everyone if p), None)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def differing(named: Sequence[tuple[str, torch.Tensor | None]], group: dist.ProcessGroup,

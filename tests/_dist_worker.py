@@ -18,7 +18,7 @@ SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> None:
     from fastpipe import Pipe
     from fastpipe.runtime import shm as shm_mod
-    from fastpipe.runtime.transport import _FLOW_GROUPS
+    from fastpipe.runtime.transport.groups import _FLOW_GROUPS
     from tests import models
 
     torch.set_num_threads(1)
@@ -82,7 +82,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                             "input_grads": input_grads, "norm": norm,
                             "meta": meta, "refused": refused,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
-                            "staged": pipe._shm[0].staged_total if pipe.shm else 0})
+                            "staged": pipe._runner.shm_link[0].staged_total if pipe.shm else 0})
         torch.save({"ok": results}, out_path)
     except BaseException:
         torch.save({"error": traceback.format_exc()}, out_path)
@@ -101,7 +101,7 @@ _SIZES: list = []  # (op, this rank, peer, tag, bytes) of every isend/irecv of a
 def _count_p2p() -> dict:
     """Counts isend/irecv calls from here on (the worker's own process): by kind
     ("isend"), and by kind and the flow group they used ("isend up")."""
-    from fastpipe.runtime.transport import _FLOW_GROUPS, _LATE_GROUPS  # read only
+    from fastpipe.runtime.transport.groups import _FLOW_GROUPS, _LATE_GROUPS  # read only
 
     counts: dict = {}
     for name in ("isend", "irecv"):
@@ -194,7 +194,7 @@ def _ring_stats(pipe) -> dict:
     """After a training step: buffer-ring sizes, allocations, slots still held, planned sizes."""
     from fastpipe.runtime.buffers import receive_slots
 
-    rings = pipe._dist_transport.rings()
+    rings = pipe._runner.transport.rings()
     return {
         "recv_size": {s: r.size for s, r in rings["recv"].items()},
         "planned": receive_slots(pipe._lowered.actions[pipe.rank]),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import fastpipe.pipe as pipe_module
+import fastpipe._local_run as local_run
 from fastpipe import Pipe
 from fastpipe._ext import native_chain
 from fastpipe.runtime import chain as chain_module
@@ -223,7 +223,7 @@ def chains(monkeypatch):
         monkeypatch.setattr(executor_module, "chain_gathering", lambda: gather)
         monkeypatch.setattr(chain_module, "native_chain",
                             native_chain if mode == "native" else lambda: None)
-        monkeypatch.setattr(pipe_module, "RankExecutor",
+        monkeypatch.setattr(local_run, "RankExecutor",
                             make if mode == "python" else executor_module.RankExecutor)
         calls.clear()
         return calls

@@ -32,7 +32,7 @@ SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 def _pipe(model, schedule, ranks, chunks, **kw) -> Pipe:
     pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=["cpu"] * ranks,
                 stages_per_rank=SPR.get(schedule), **kw)
-    pipe._copies = True  # the GPU path, on host lanes
+    pipe._runner.copies = True  # the GPU path, on host lanes
     return pipe
 
 
@@ -52,7 +52,7 @@ def _check(model_fn, x, y, schedule, ranks, chunks, balance=None, steps=1, exact
         with torch.no_grad():
             torch.testing.assert_close(pipe(x), ref_model(x), rtol=1e-10, atol=1e-12)
         if exact_slots:  # no ring grew past the worst case over every timing
-            rings = pipe._recv_rings
+            rings = pipe._runner.recv_rings
             assert {k: r.size for k, r in rings.rings.items()} == {k: rings.sizes[k] for k in rings.rings}
         return pipe
     finally:
@@ -66,7 +66,7 @@ def test_every_schedule_matches_sequential_through_copies(schedule, ranks, chunk
     torch.manual_seed(1)
     x, y = torch.randn(11, 5, dtype=torch.float64), torch.randn(11, 3, dtype=torch.float64)
     pipe = _check(lambda: mlp(depth=max(stages, 6) + 2), x, y, schedule, ranks, chunks)
-    assert pipe._recv_rings.rings, "no transfer went through the receive rings"
+    assert pipe._runner.recv_rings.rings, "no transfer went through the receive rings"
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zbv"])
@@ -88,15 +88,15 @@ def test_steady_state_allocates_no_slot(schedule):
     try:
         pipe.step(x, y, F.mse_loss)
         pipe.step(x, y, F.mse_loss)
-        before = {k: (r.size, r.allocations) for k, r in pipe._recv_rings.rings.items()}
+        before = {k: (r.size, r.allocations) for k, r in pipe._runner.recv_rings.rings.items()}
         for _ in range(3):
             pipe.step(x, y, F.mse_loss)
-        after = {k: (r.size, r.allocations) for k, r in pipe._recv_rings.rings.items()}
+        after = {k: (r.size, r.allocations) for k, r in pipe._runner.recv_rings.rings.items()}
         assert after == before
-        assert all(r.held == 0 for r in pipe._recv_rings.rings.values())
+        assert all(r.held == 0 for r in pipe._runner.recv_rings.rings.values())
         # Never more than the worst case copy_slots computed (each ring starts there).
-        assert {k: r.size for k, r in pipe._recv_rings.rings.items()} == {
-            k: n for k, n in pipe._recv_rings.sizes.items() if k in pipe._recv_rings.rings}
+        assert {k: r.size for k, r in pipe._runner.recv_rings.rings.items()} == {
+            k: n for k, n in pipe._runner.recv_rings.sizes.items() if k in pipe._runner.recv_rings.rings}
     finally:
         pipe.close()
 
@@ -110,7 +110,7 @@ def test_rings_start_at_the_schedules_worst_case():
     pipe = _pipe(mlp(depth=8), "1f1b", 2, 8)
     try:
         pipe.step(x, y, F.mse_loss)
-        assert pipe._recv_rings.sizes == {("F", 1): 8, ("B", 0): 2}
+        assert pipe._runner.recv_rings.sizes == {("F", 1): 8, ("B", 0): 2}
     finally:
         pipe.close()
 
@@ -293,7 +293,7 @@ def test_a_failed_step_leaves_no_slot_held(monkeypatch):
         with pytest.raises(ValueError, match="flaky layer"):
             pipe.step(x, y, F.mse_loss)
         monkeypatch.setattr(nn.Linear, "forward", real)
-        assert pipe._recv_rings is None
+        assert pipe._runner.recv_rings is None
         for p in model.parameters():
             p.grad = None
         loss = pipe.step(x, y, F.mse_loss)
@@ -301,7 +301,7 @@ def test_a_failed_step_leaves_no_slot_held(monkeypatch):
         torch.testing.assert_close(loss, ref_loss)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, ref_grads[name], msg=name)
-        assert all(r.held == 0 for r in pipe._recv_rings.rings.values())
+        assert all(r.held == 0 for r in pipe._runner.recv_rings.rings.values())
     finally:
         pipe.close()
 
@@ -363,11 +363,11 @@ def test_close_gives_the_device_lanes_back_and_a_later_step_makes_new_ones():
     pipe = _pipe(mlp(depth=6), "1f1b", 2, 4)
     closed = []
     pipe.step(x, y, F.mse_loss)
-    for lanes in pipe._device_lanes.values():
+    for lanes in pipe._runner.device_lanes.values():
         lanes.close = lambda lanes=lanes: closed.append(lanes)
-    held = list(pipe._device_lanes.values())
+    held = list(pipe._runner.device_lanes.values())
     pipe.close()
-    assert closed == held and not pipe._device_lanes
+    assert closed == held and not pipe._runner.device_lanes
     pipe.step(x, y, F.mse_loss)  # usable after close(), as before
-    assert pipe._device_lanes and all(a is not b for a, b in zip(pipe._device_lanes.values(), held))
+    assert pipe._runner.device_lanes and all(a is not b for a, b in zip(pipe._runner.device_lanes.values(), held))
     pipe.close()

@@ -226,7 +226,7 @@ def test_weight_shared_inside_a_stage_counts_both_uses():
 @pytest.mark.parametrize("spec", [True, (3, "x", TENSOR, None, TENSOR, TENSOR, TENSOR, TENSOR)])
 def test_packed_message_round_trip_keeps_dtypes_shapes_grad_flags_and_values(spec):
     from fastpipe.runtime.packing import Layout, pack_into
-    from fastpipe.runtime.transport import encode_head, read_head, received, write_head, _prefixed
+    from fastpipe.runtime.transport.wire import encode_head, prefixed, read_head, received, write_head
 
     tensors = [
         torch.randn(3, 5, requires_grad=True),
@@ -237,7 +237,7 @@ def test_packed_message_round_trip_keeps_dtypes_shapes_grad_flags_and_values(spe
     ]
     layout = Layout.plan(tensors)
     head = encode_head(layout, spec, [needs_grad(t) for t in tensors])
-    start = _prefixed(head)
+    start = prefixed(head)
     buf = torch.empty(start + layout.nbytes, dtype=torch.uint8)
     write_head(buf, head)
     pack_into(buf[start:], tensors, layout)

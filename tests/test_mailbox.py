@@ -129,9 +129,9 @@ def test_native_answers_are_status_codes():
 
 
 def test_spin_default_follows_the_cores(monkeypatch):
-    import fastpipe.runtime.transport as transport
+    import fastpipe.runtime.transport.local as local
 
-    monkeypatch.setattr(transport.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 2)
     assert Mailbox(2)._native.spin == pytest.approx(1e-3)
     assert Mailbox(4)._native.spin == 0.0  # more ranks than cores: a spinner takes a core
 

@@ -435,7 +435,7 @@ def test_flow_groups_are_made_once_and_forgotten_with_their_world(tmp_path):
     """One process, a world of one, three times over: every Pipe over a world
     shares its two flow groups, and a destroyed world's groups are dropped
     from the cache the next time groups are made."""
-    from fastpipe.runtime import transport
+    from fastpipe.runtime.transport import groups as transport
 
     for i in range(3):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'rdv{i}'}",

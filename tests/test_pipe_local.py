@@ -324,13 +324,13 @@ def test_meta_swap_keeps_shapes_sharing_and_buffers():
     """What free_remote does to another rank's layer: every parameter and
     buffer becomes a meta tensor of the same shape, dtype and requires_grad;
     a parameter used twice in the layer stays one parameter."""
-    from fastpipe.pipe import _to_meta
+    from fastpipe._stages import to_meta
 
     lin = nn.Linear(3, 3)
     layer = nn.Sequential(lin, nn.BatchNorm1d(3), lin).double()
     layer[1].weight.requires_grad_(False)
     before = {n: (t.shape, t.dtype, t.requires_grad) for n, t in layer.state_dict(keep_vars=True).items()}
-    _to_meta(layer)
+    to_meta(layer)
     after = layer.state_dict(keep_vars=True)
     assert {n: (t.shape, t.dtype, t.requires_grad) for n, t in after.items()} == before
     assert all(t.is_meta for t in after.values())
@@ -350,7 +350,7 @@ def test_a_step_leaves_no_reference_cycles(schedule, copies, monkeypatch):
     x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
     pipe = Pipe(mlp(depth=8), chunks=4, schedule=schedule, devices=["cpu"] * 2,
                 stages_per_rank=SPR.get(schedule))
-    pipe._copies = copies  # True: the GPU's copy path, on host lanes
+    pipe._runner.copies = copies  # True: the GPU's copy path, on host lanes
     try:
         for _ in range(2):
             pipe.step(x, y, F.mse_loss)
@@ -369,7 +369,7 @@ def test_a_step_leaves_no_reference_cycles(schedule, copies, monkeypatch):
 
 
 def test_a_local_step_can_run_under_a_shorter_switch_interval(monkeypatch):
-    """Pipe._switch_interval (a measured lead, off by default) applies only
+    """LocalRunner.switch_interval (a measured lead, off by default) applies only
     while the ranks run, and the interpreter's own value is back afterwards."""
     import sys
 
@@ -382,14 +382,14 @@ def test_a_local_step_can_run_under_a_shorter_switch_interval(monkeypatch):
         seen.append(seconds)
         return real(seconds)
 
-    monkeypatch.setattr("fastpipe.pipe.switch_interval", spy)
+    monkeypatch.setattr("fastpipe._local_run.switch_interval", spy)
     default = sys.getswitchinterval()
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
     pipe = Pipe(mlp(depth=6), chunks=2, schedule="1f1b", devices=["cpu"] * 2)
     try:
-        assert pipe._switch_interval is None
+        assert pipe._runner.switch_interval is None
         pipe.step(x, y, F.mse_loss)
-        pipe._switch_interval = threads.SHORT_SWITCH_INTERVAL
+        pipe._runner.switch_interval = threads.SHORT_SWITCH_INTERVAL
         inside = []
         pipe._stages[0][0].module.register_forward_hook(lambda *a: inside.append(sys.getswitchinterval()))
         pipe.step(x, y, F.mse_loss)

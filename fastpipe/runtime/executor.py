@@ -45,7 +45,7 @@ from fastpipe.runtime.checkpoint import (NO_RANDOM, RngState, checkpointed, forg
                                          recompute, seeded, stage_seed, stochastic)
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.threads import Autocast, autocast
-from fastpipe.runtime.transport import CallMismatch
+from fastpipe.runtime.transport import CallMismatch, Transport
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -120,7 +120,7 @@ class RankExecutor:
         rank: this rank's index in the schedule.
         schedule: the lowered schedule (compute and communication actions).
         stages: the stages this rank holds, by stage index.
-        transport: a LocalTransport or DistTransport for this rank.
+        transport: this rank's transport (``fastpipe.runtime.transport.Transport``).
         checkpoint: ``"never"``, ``"except_last"`` or ``"always"`` (see
             ``fastpipe.runtime.checkpoint``).
         rng_lock: local mode: a lock shared by the ranks' threads that
@@ -160,7 +160,7 @@ class RankExecutor:
         rank: int,
         schedule: Schedule,
         stages: dict[int, Stage],
-        transport,
+        transport: Transport,
         checkpoint: str = "never",
         rng_lock: threading.Lock | None = None,
         keep_graphs: bool = False,

@@ -27,7 +27,7 @@ messages fill them). Each is created by its
 reader and unlinked as soon as both ends have mapped it, so a crash leaves
 nothing behind in ``/dev/shm``.
 
-The message format is DistTransport's (prefix, head, packed data, the same
+The message format is DistTransport's (``transport.wire``: prefix, head, packed data, the same
 wire dtypes); there is no size protocol, since a ring message carries its
 length. Failures keep the torch.distributed path's contract: a failing rank
 marks its rings aborted with its reason, so a peer waiting on one fails at
@@ -50,9 +50,12 @@ from fastpipe._ext import native
 from fastpipe._microbatch import Spec, needs_grad
 from fastpipe.runtime.buffers import BufferRing
 from fastpipe.runtime.packing import Layout, pack_into
-from fastpipe.runtime.transport import (
-    _INFERENCE, Key, Payload, PeerError, _describe, _prefixed, _timeout_message, check_mode,
-    encode_head, head_block, read_head, received, step_mode, write_head,
+from fastpipe.runtime.transport.base import (
+    Held, Key, PeerError, SlotReceive, describe, timeout_message,
+)
+from fastpipe.runtime.transport.wire import (
+    INFERENCE, check_mode, encode_head, head_block, prefixed, read_head, received, step_mode,
+    write_head,
 )
 from fastpipe.schedules import Action
 
@@ -206,23 +209,15 @@ def _key_of(tag: int, stages: int) -> Key:
     return ("B" if tag & 1 else "F", rest % stages, rest // stages)
 
 
-class _ShmRecv:
-    """A pending receive: ``wait`` takes the message (or one before it) off the ring."""
+class _ShmRecv(SlotReceive):
+    """A pending receive: ``wait`` takes the message (or one before it) off the ring;
+    ``release`` hands its buffer back for reuse once the stage is done with the views."""
 
     def __init__(self, transport: ShmTransport, src: int, key: Key):
         self.transport, self.src, self.key = transport, src, key
-        self._slot: tuple[BufferRing, int] | None = None
 
-    def wait(self) -> Payload:
-        tensors, spec, self._slot = self.transport._take(self.src, self.key)
-        return tensors, spec
-
-    def release(self) -> None:
-        """The stage is done with the tensors (views into the buffer): reuse it."""
-        if self._slot is not None:
-            ring, slot = self._slot
-            self._slot = None
-            ring.put(slot)
+    def _take(self) -> tuple[list[torch.Tensor], Spec, Held | None]:
+        return self.transport._take(self.src, self.key)
 
 
 class ShmTransport:
@@ -249,7 +244,7 @@ class ShmTransport:
         self._rings: dict[tuple[str, int], BufferRing] = {}
         self._largest: dict[tuple[str, int], int] = {}  # stream -> bytes of its largest message
         self._arrived: dict[int, dict[int, tuple]] = {src: {} for src in readers}
-        self._mode = 0  # this step's message flag (transport.step_mode)
+        self._mode = 0  # this step's message flag (wire.step_mode)
 
     def tag(self, key: Key) -> int:
         direction, stage, mb = key
@@ -287,7 +282,7 @@ class ShmTransport:
                 or not isinstance(spec, bool)):
             encoded = encode_head(layout, spec, grads)
             head = self._heads[stream] = (layout, grads, spec, encoded,
-                                          head_block(encoded, self._mode), _prefixed(encoded))
+                                          head_block(encoded, self._mode), prefixed(encoded))
         _, _, _, encoded, block, start = head
         total = start + layout.nbytes
         used, offsets, sizes, plain = layout._regions
@@ -307,7 +302,7 @@ class ShmTransport:
             status = self.link.send(ch, tag, buf.data_ptr(), total, self.timeout)
         if status != _OK:
             raise self._error(status, dst, self.writers[dst],
-                              f"room in the ring to rank {dst} for {_describe(key)}")
+                              f"room in the ring to rank {dst} for {describe(key)}")
 
     def recv(self, src: int, key: Key) -> _ShmRecv:
         return _ShmRecv(self, src, key)
@@ -321,15 +316,15 @@ class ShmTransport:
         while got is None:
             status, tag, nbytes = self.link.next(ch, self.timeout)
             if status != _OK:
-                raise self._error(status, src, ch, f"{_describe(key)} from rank {src}")
+                raise self._error(status, src, ch, f"{describe(key)} from rank {src}")
             ring, largest = self._ring(tag, nbytes)
             slot, buf = ring.get(largest)  # a slot fits any message of its stream seen so far
             status = self.link.read(ch, buf.data_ptr(), self.timeout)
             if status != _OK:
                 ring.put(slot)
-                raise self._error(status, src, ch, f"{_describe(key)} from rank {src}")
+                raise self._error(status, src, ch, f"{describe(key)} from rank {src}")
             start, flags, layout, spec, grads = read_head(buf)
-            if flags & _INFERENCE != self._mode:
+            if flags & INFERENCE != self._mode:
                 ring.put(slot)
                 check_mode(flags, self._mode, src, _key_of(tag, self.stages))
             tensors = received(buf, start, layout, grads)
@@ -350,7 +345,7 @@ class ShmTransport:
         if status == _GONE:
             return PeerError(f"pipeline rank {peer} is gone (its process died) while waiting "
                              f"for {what}")
-        return TimeoutError(_timeout_message(what, self.timeout, peer))
+        return TimeoutError(timeout_message(what, self.timeout, peer))
 
     def finish(self) -> None:
         """Sends are done when they return; messages taken ahead must all have been used."""

@@ -1,0 +1,233 @@
+"""Distributed mode's steps: this process's pipeline rank, its messages and the loss broadcast.
+
+Messages travel through shared-memory rings when every rank is on this host
+(``runtime/shm.py``), else through torch.distributed P2P on two groups of
+their own, one per direction (``transport.flow_groups``); on NCCL under its
+rules (exact sizes, matched by order), every pair connected when the Pipe is
+built (``transport.connect_pairs``). The loss is computed on the last
+stage's rank and broadcast to the others without that rank waiting for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastpipe._args import raise_first
+from fastpipe.runtime.executor import RankExecutor, Stage
+from fastpipe.runtime.lanes import lanes_for
+from fastpipe.runtime.threads import autocast_state
+from fastpipe.runtime.transport import CommLanes, DistTransport, connect_pairs, flow_groups, late_groups
+from fastpipe.schedules import Schedule
+
+__all__ = ["DistRunner", "ranks_agree"]
+
+_LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+class DistRunner:
+    """Runs this process's rank of a pipeline over ``group``.
+
+    Collective over the group's ranks when made (shared-memory set-up,
+    flow groups, NCCL pair connections): every rank makes it in the same
+    order.
+
+    Attributes:
+        shm_link: the shared-memory rings ``(link, writers, readers)``, or None.
+        transport: the DistTransport or ShmTransport, made at the first step
+            (kept after ``close``: both ends learnt the same sizes).
+        broken: the failure that ended a step; the group may still hold its
+            messages, so no later step runs.
+        memory: rank -> peak saved-activation bytes of the last step.
+        input_grads: the first stage's input gradients of the last step.
+    """
+
+    def __init__(self, group, rank: int, schedule: Schedule, devices: Sequence[torch.device],
+                 timeout: float, overlap: bool, wire: dict, exact: bool, shm: bool | None) -> None:
+        self.group, self.rank, self.schedule, self.devices = group, rank, schedule, devices
+        self.timeout, self.overlap, self.wire, self.exact = timeout, overlap, wire, exact
+        self.nccl = dist.get_backend(group) == "nccl"
+        self.shm_link = self._connect_shm(shm)
+        # Messages up and down the ranks on separate groups (see flow_groups).
+        split = self.shm_link is None and dist.get_backend(group) in ("gloo", "nccl")
+        self.p2p_groups = flow_groups(group) if split else {}
+        self.late_groups = late_groups(group) if exact else {}
+        if exact:  # NCCL's pair communicators, each made before any step
+            connect_pairs([*(self.p2p_groups.values() or [group]), *self.late_groups.values()], group,
+                          schedule.stage_to_rank, rank, devices[rank])
+        self.transport = None
+        self.ring = None
+        self.device_lanes: dict[int, Any] = {}
+        self.broken: BaseException | None = None
+        self.memory: dict[int, int] = {}
+        self.input_grads: dict[int, list[torch.Tensor]] = {}
+        # The last stage's rank: the loss broadcast of the last step, still
+        # in flight (Work, tensor), waited for before the next collective.
+        self._loss_broadcast: tuple | None = None
+
+    def run(self, schedule: Schedule, stages: dict[int, Stage], inputs, targets, loss_fn,
+            train: bool, refuse: BaseException | None, checkpoint: str, fused_wgrad: bool,
+            recording: list | None, grads_done: Callable[[int], None] | None) -> dict[int, Any]:
+        """This rank's actions of one step (or inference pass); its results."""
+        try:
+            self.finish_loss_broadcast()
+        except BaseException as exc:  # the last step's end failed: the group is out of step
+            self.broken = exc
+            raise
+        transport = self.transport_for(self.rank)
+        transport.all_actions = schedule.actions  # exact messages follow the senders' order
+        executor = RankExecutor(self.rank, schedule, stages, transport, checkpoint,
+                                fused_wgrad=fused_wgrad, autocast=autocast_state(),
+                                grads_done=grads_done)
+        if recording is not None:
+            dist.barrier(group=self.group)  # every rank's clock starts together
+            executor.records = recording
+        # NCCL: the rank's work runs on its own compute stream; isend is
+        # issued there after the data's kernels, and Work.wait() there
+        # orders the consumer after the receive (see DistTransport).
+        lanes = self._lanes_of(self.rank) if self.nccl else None
+        try:
+            if lanes is None:
+                return executor.run(inputs, targets, loss_fn, train, refuse)
+            lanes.enter_from_caller()
+            try:
+                with lanes.compute():
+                    return executor.run(inputs, targets, loss_fn, train, refuse)
+            finally:
+                lanes.exit_to_caller()
+        except BaseException as exc:
+            self.broken = exc
+            raise
+        finally:
+            if train:
+                self.memory[self.rank] = executor.peak_activation_bytes
+                self.input_grads = executor.input_grads
+
+    def mean_loss(self, results: dict[int, torch.Tensor], chunks: int) -> torch.Tensor:
+        """The mean of the microbatches' losses, on every rank: computed on the
+        last stage's rank and broadcast (with its dtype) to the others."""
+        if results:
+            loss = torch.stack([results[mb] for mb in range(chunks)]).mean()
+            code = float(_LOSS_DTYPES.index(loss.dtype)) if loss.dtype in _LOSS_DTYPES else 0.0
+            packed = torch.stack([loss.double().cpu(), torch.tensor(code, dtype=torch.float64)])
+        else:
+            packed = torch.zeros(2, dtype=torch.float64)
+        # The loss's dtype is only known where it was computed: send it along.
+        packed = packed.to(self.devices[self.rank])
+        owner = self.schedule.stage_to_rank[self.schedule.stages - 1]
+        src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+        if self.rank == owner:
+            # The other ranks need the value; this one has it. Not waiting
+            # here takes the broadcast off this rank's step: its peers reach
+            # it only after their last backward.
+            self.finish_loss_broadcast()
+            self._loss_broadcast = (dist.broadcast(packed, src=src, group=self.group,
+                                                   async_op=True), packed)
+            return packed[0].to(_LOSS_DTYPES[int(code)])  # what the others get (read only)
+        dist.broadcast(packed, src=src, group=self.group)
+        return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
+
+    def finish_loss_broadcast(self) -> None:
+        """Waits for the last step's loss broadcast, if it is still in flight."""
+        if self._loss_broadcast is not None:
+            work, _ = self._loss_broadcast
+            self._loss_broadcast = None
+            work.wait()
+
+    def close(self) -> None:
+        """Waits for the loss broadcast; stops the ring's lanes and gives the
+        CUDA streams back to the process's pool. A later step makes both afresh."""
+        try:
+            self.finish_loss_broadcast()
+        finally:
+            if self.ring is not None:
+                self.ring.close()
+                self.ring = None
+            for lanes in self.device_lanes.values():
+                lanes.close()
+            self.device_lanes.clear()
+
+    def transport_for(self, rank: int):
+        """This rank's transport (made at the first step, kept after)."""
+        if self.shm_link is not None:
+            if self.transport is None:
+                from fastpipe.runtime.shm import ShmTransport
+
+                link, writers, readers = self.shm_link
+                self.transport = ShmTransport(link, writers, readers, self.devices[rank],
+                                              self.schedule.stages, self.timeout, self.wire)
+            return self.transport
+        lanes = CommLanes(self._ring_for(), 0, 1, 2, 3) if self.overlap else None
+        if self.transport is not None:  # kept: both ends learnt the same sizes
+            self.transport.lanes = lanes  # the ring is new after close()
+        else:
+            self.transport = DistTransport(
+                self.group, self.devices[rank], self.schedule.stages, self.timeout, lanes,
+                self.wire, stage_to_rank=tuple(self.schedule.stage_to_rank),
+                groups=self.p2p_groups, exact=self.exact, late=self.late_groups, rank=rank,
+                # NCCL sends GPU memory; gloo's P2P takes host tensors.
+                buffers=self.devices[rank] if self.nccl else torch.device("cpu"),
+            )
+        return self.transport
+
+    def _ring_for(self):
+        from fastpipe._ext import native
+
+        if self.ring is None:
+            self.ring = native().HostRing(4 if self.overlap else 1)
+        return self.ring
+
+    def _lanes_of(self, rank: int):
+        """The rank's CUDA streams (made once until close)."""
+        lanes = self.device_lanes.get(rank)
+        if lanes is None or getattr(lanes, "ring", self.ring) is not self.ring:
+            lanes = lanes_for(self.devices[rank], self.ring, self.schedule.ranks + rank,
+                              self.timeout, overlap=self.overlap)
+            self.device_lanes[rank] = lanes
+        return lanes
+
+    def _connect_shm(self, shm: bool | None):
+        """The shared-memory rings of a same-host CPU pipeline (``runtime/shm.py``), or None."""
+        if shm is False:
+            return None
+        if self.nccl:
+            if shm:
+                raise ValueError("Pipe(shm=True) needs a gloo group with CPU devices; this group "
+                                 "is NCCL, which has its own shared-memory transport")
+            return None
+        from fastpipe.runtime.shm import connect, neighbours
+
+        why_not = None
+        if dist.get_backend(self.group) != "gloo":
+            why_not = f"the group's backend is {dist.get_backend(self.group)}, not gloo"
+        elif self.devices[self.rank].type != "cpu":
+            why_not = f"its device is {self.devices[self.rank]}, not a CPU"
+        elif self.exact:
+            why_not = "exact messages are on (FASTPIPE_EXACT_MESSAGES=1)"
+        elif self.overlap:
+            why_not = "overlap=True runs transfers on lanes; shared memory runs them inline"
+        peers = neighbours(self.schedule.stage_to_rank, self.rank)
+        return connect(self.group, self.rank, self.schedule.ranks, peers, why_not, required=shm is True)
+
+
+def ranks_agree(settings: dict, problem: str | None, groups: Sequence[tuple[Any, str]]) -> None:
+    """One small collective per group: every rank must have built the same
+    pipeline (``settings``: name -> value) and found no set-up ``problem``.
+
+    Raises (on every rank of the group):
+        ValueError: the first rank's problem, or the first setting that
+            differs with each rank's value.
+    """
+    for group, who in groups:
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (settings, problem), group=group)
+        raise_first([theirs for _, theirs in everyone])
+        for name in settings:
+            values = [theirs[name] for theirs, _ in everyone]
+            if any(v != values[0] for v in values):
+                listed = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                raise ValueError(f"{who} disagree on {name} ({listed}); every rank must "
+                                 "build the Pipe with the same arguments")

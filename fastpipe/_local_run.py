@@ -1,0 +1,187 @@
+"""Local mode's steps: one thread per pipeline rank, on lanes of the native ring.
+
+Lanes ``0..ranks-1`` run each rank's action loop; lanes ``ranks..`` run its
+sends (``overlap``) or, on the copy path, its copies. Values are handed over
+through a native ``Mailbox``: as they are on CPUs, as copies into receive
+slots on GPUs (``CopyTransport``, each rank's CUDA streams made once and
+kept until ``close``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from fastpipe.runtime.buffers import copy_slots
+from fastpipe.runtime.checkpoint import stochastic
+from fastpipe.runtime.executor import RankExecutor, Stage
+from fastpipe.runtime.lanes import lanes_for
+from fastpipe.runtime.threads import autocast_state, switch_interval, with_caller_threads
+from fastpipe.runtime.transport import CommLanes, CopyTransport, LocalTransport, Mailbox, ReceiveRings
+from fastpipe.schedules import Schedule
+
+__all__ = ["LocalRunner"]
+
+
+class LocalRunner:
+    """Runs every rank of a schedule as a thread of this process.
+
+    Attributes:
+        copies: transfers are copies on each rank's copy lane into receive
+            slots (GPUs); on CPUs tensors are handed over as they are, and a
+            pipeline mixing CPUs and GPUs uses blocking ``.to()`` copies.
+            Setting it before the first step forces the copy path on CPUs,
+            with host lanes (what the tests and the device check's rehearsal do).
+        switch_interval: the GIL switch interval during a step with several
+            ranks; None leaves the interpreter's own (``runtime/threads.py``).
+        memory: rank -> peak saved-activation bytes of the last step.
+        input_grads: the first stage's input gradients of the last step.
+    """
+
+    def __init__(self, ranks: int, devices: Sequence[torch.device], timeout: float, overlap: bool,
+                 wire: dict, training: Schedule, inference: Schedule) -> None:
+        self.ranks, self.devices, self.timeout, self.overlap, self.wire = (
+            ranks, devices, timeout, overlap, wire)
+        self._training, self._inference = training, inference  # lowered: receive-ring sizes
+        self.copies = all(d.type == "cuda" for d in devices)
+        self.switch_interval: float | None = None
+        self.ring = None
+        self.device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once (until close())
+        self.recv_rings: ReceiveRings | None = None
+        self.memory: dict[int, int] = {}
+        self.input_grads: dict[int, list[torch.Tensor]] = {}
+
+    def run(self, schedule: Schedule, stages: dict[int, dict[int, Stage]], inputs, targets, loss_fn,
+            train: bool, checkpoint: str, fused_wgrad: bool, recording: list | None) -> dict[int, Any]:
+        """One step (or inference pass) of every rank; the last stage's rank's results.
+
+        Raises the first failure: the mailbox's first (the failing rank's
+        own exception), else a rank's.
+        """
+        self._ring_for()
+        mailbox = Mailbox(schedule.ranks)
+        # Ranks are threads sharing the CPU generator: stochastic stages take
+        # turns drawing, each forward from its own seed (one draw of the
+        # caller's generator per step, then (stage, microbatch)), so seeded
+        # steps repeat and recomputation replays exactly.
+        # They share the GIL too: backward leaves freeing the graph to the
+        # executor (keep_graphs), so that it runs without the GIL, and only
+        # native chains replace autograd (python_chains=False).
+        shared = schedule.ranks > 1 and any(
+            stochastic(st.module, training_only=True)
+            for held in stages.values() for st in held.values())
+        rng_lock = threading.Lock() if checkpoint != "never" or shared else None
+        rng_seed = int(torch.randint(0, 1 << 62, ()).item()) if shared else None
+        last_rank = schedule.stage_to_rank[schedule.stages - 1]
+        origin = time.perf_counter()
+        amp = autocast_state()  # thread-local: read here, applied on each rank's lane
+
+        transports = [self._transport(rank, mailbox) for rank in range(schedule.ranks)]
+        lanes = [self._lanes_of(rank) for rank in range(schedule.ranks)] if self.copies else []
+        for rank_lanes in lanes:
+            rank_lanes.enter_from_caller()
+
+        def run_rank(rank: int):
+            executor = RankExecutor(rank, schedule, stages[rank], transports[rank], checkpoint,
+                                    rng_lock, keep_graphs=True, fused_wgrad=fused_wgrad,
+                                    autocast=amp, python_chains=False, rng_seed=rng_seed)
+            if recording is not None:
+                executor.records, executor.origin = [], origin
+            try:
+                with lanes[rank].compute() if lanes else nullcontext():
+                    return executor.run(inputs, targets, loss_fn, train)  # fails the mailbox on error
+            finally:
+                if train:
+                    self.memory[rank] = executor.peak_activation_bytes
+                    if 0 in stages[rank]:
+                        self.input_grads = executor.input_grads
+                if executor.records is not None:
+                    recording.extend(executor.records)  # list.extend is atomic
+
+        with switch_interval(self.switch_interval if schedule.ranks > 1 else None):
+            events = [self.ring.submit(r, with_caller_threads(lambda r=r: run_rank(r)))
+                      for r in range(schedule.ranks)]
+            try:
+                outcomes = [_outcome(ev) for ev in events]
+            except KeyboardInterrupt as exc:
+                mailbox.fail(-1, exc)  # unblock the workers, then let them finish
+                for ev in events:
+                    _outcome(ev)
+                self._drop_rings(lanes)
+                raise
+        for rank_lanes in lanes:
+            rank_lanes.exit_to_caller()
+        failed = [v for v in outcomes if isinstance(v, BaseException)]
+        if mailbox.first_failure is not None or failed:
+            self._drop_rings(lanes)
+        if mailbox.first_failure is not None:
+            raise mailbox.first_failure[1]
+        for value in failed:
+            raise value
+        return outcomes[last_rank]
+
+    def close(self) -> None:
+        """Stops the ring's lanes and gives the CUDA streams back to the
+        process's pool (``runtime/streams.py``); a later step makes both afresh."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        for lanes in self.device_lanes.values():
+            lanes.close()
+        self.device_lanes.clear()
+
+    def _ring_for(self):
+        from fastpipe._ext import native
+
+        if self.ring is None:
+            lanes = 2 * self.ranks if self.overlap or self.copies else self.ranks
+            self.ring = native().HostRing(lanes)
+        return self.ring
+
+    def _transport(self, rank: int, mailbox: Mailbox):
+        if self.copies:
+            return CopyTransport(mailbox, rank, self.devices, self.timeout, self._lanes_of(rank),
+                                 self._rings(), self.wire)
+        lanes = CommLanes(self.ring, self.ranks + rank) if self.overlap else None
+        return LocalTransport(mailbox, rank, self.devices, self.timeout, lanes, self.wire)
+
+    def _lanes_of(self, rank: int):
+        """A rank's device lanes: its CUDA streams (made once), or host lanes
+        on the current ring (lane ``ranks + rank`` runs its copies)."""
+        lanes = self.device_lanes.get(rank)
+        if lanes is None or getattr(lanes, "ring", self.ring) is not self.ring:
+            lanes = lanes_for(self.devices[rank], self.ring, self.ranks + rank, self.timeout,
+                              overlap=self.overlap)
+            self.device_lanes[rank] = lanes
+        return lanes
+
+    def _drop_rings(self, lanes) -> None:
+        """After a failed step: slots of messages nobody took are still held,
+        so the receive rings start afresh (once every lane is idle)."""
+        if self.recv_rings is None:
+            return
+        for rank_lanes in lanes:
+            rank_lanes.synchronize(rank_lanes.record())
+        self.recv_rings = None
+
+    def _rings(self) -> ReceiveRings:
+        if self.recv_rings is None:
+            # The worst case over every timing, of training and of inference.
+            sizes = copy_slots(self._training.actions)
+            for stream, n in copy_slots(self._inference.actions).items():
+                sizes[stream] = max(n, sizes.get(stream, 0))
+            self.recv_rings = ReceiveRings(sizes, self.timeout)
+        return self.recv_rings
+
+
+def _outcome(event) -> Any:
+    """The rank's result, or the exception it ended with (reported once all stopped)."""
+    try:
+        return event.wait()
+    except Exception as exc:  # noqa: BLE001
+        return exc

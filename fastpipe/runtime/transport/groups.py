@@ -1,0 +1,109 @@
+"""The process groups a distributed pipeline's messages travel on, and their first connection.
+
+gloo's TCP transport handles each pair of ranks on one socket, guarded by
+one lock that the caller of isend/irecv holds while it writes, and an event
+loop thread that only try-locks it: when the loop finds the lock taken it
+returns and polls again, spinning. On a busy host the writer is often
+preempted inside that write by the loop thread it just woke, which then
+spins until the scheduler takes it off: milliseconds per message. So data
+going up the ranks (to a higher rank) and data coming down travel on two
+process groups, each with its own sockets, locks and loop thread: one
+pair's socket then carries data one way only (1F1B's activations and
+gradients, a V schedule's way out and way back), and the two flows stop
+stalling each other.
+
+ProcessGroupNCCL runs a pair's sends and receives on one stream, in the
+order they are issued, so a receive posted ahead would hold up every send
+issued after it to the same peer: there too one group per way keeps a
+pair's stream to one way (see ``fastpipe.runtime.transport.dist``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["connect_pairs", "flow_groups", "late_groups"]
+
+_FLOW_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
+_LATE_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
+
+
+def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
+    """Two process groups over ``group``'s ranks, on its backend: "up" carries
+    messages to a higher rank, "down" to a lower one (why: the module docstring).
+
+    Collective over the ranks of ``group`` (only they take part), so every
+    rank must call it in the same order, as it builds its Pipe. The groups
+    are made once per parent group and shared by every Pipe over it (steps
+    of two Pipes never run at once in one process); they live until
+    ``destroy_process_group()``, after which the next call forgets them.
+    """
+    parent = group if group is not None else dist.group.WORLD
+    return _groups_over(_FLOW_GROUPS, group, ("up", "down"), dist.get_backend(parent))
+
+
+def late_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
+    """Two more groups over ``group``'s ranks (same backend, "up" and "down"
+    as in ``flow_groups``) for the full message that follows an oversize
+    notice when messages are exact.
+
+    NCCL matches a pair's messages by order, not by tag, and the receiver has
+    usually posted the next receives already: a follow-up sent on the same
+    group would land in one of them. On groups of their own the follow-ups
+    keep their own order, which both ends walk in the sender's order.
+    Collective and cached like ``flow_groups``.
+    """
+    parent = group if group is not None else dist.group.WORLD
+    return _groups_over(_LATE_GROUPS, group, ("up", "down"), dist.get_backend(parent))
+
+
+def connect_pairs(groups: Sequence[dist.ProcessGroup], parent: dist.ProcessGroup | None,
+                  stage_to_rank: Sequence[int], rank: int, device: torch.device) -> None:
+    """One blocking exchange per pair of neighbouring ranks on each group, in
+    one order every rank follows: pairs by (lower, higher) rank, the lower
+    one sending.
+
+    Why: ProcessGroupNCCL makes a pair's communicator at the pair's first
+    P2P call on a group, and that blocks until the peer makes it too. A step
+    posts its receives first, and two neighbours' first calls are on
+    different groups (rank 0 receives gradients on "down" while rank 1
+    receives activations on "up"): each would wait for the other. Made here
+    in a total order, the pair that comes first always has both ranks at
+    it, so every pair gets connected. Collective over the pipeline's ranks.
+    """
+    pairs = sorted({(min(a, b), max(a, b)) for a, b in zip(stage_to_rank, stage_to_rank[1:])
+                    if a != b and rank in (a, b)})
+    token = torch.zeros(1, device=device)
+    for group in groups:
+        for low, high in pairs:
+            if rank == low:
+                peer = dist.get_global_rank(parent, high) if parent is not None else high
+                dist.send(token, dst=peer, group=group)
+            else:
+                peer = dist.get_global_rank(parent, low) if parent is not None else low
+                dist.recv(token, src=peer, group=group)
+
+
+def _groups_over(cache: dict, group, names: tuple[str, ...], backend: str) -> dict:
+    parent = group if group is not None else dist.group.WORLD
+    for stale in [p for p in cache if not _alive(p)]:
+        del cache[stale]  # destroyed with its world: drop it and its groups
+    found = cache.get(parent)
+    if found is None:
+        ranks = dist.get_process_group_ranks(parent)
+        found = {name: dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+                 for name in names}
+        cache[parent] = found  # holds ``parent``: its key is never reused
+    return found
+
+
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (not destroyed)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
