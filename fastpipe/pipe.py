@@ -20,6 +20,8 @@ from fastpipe._ties import LocalTies, TiedGrads, check_local, find_ties
 from fastpipe.runtime.executor import LossFn, Stage, last_backward
 from fastpipe.schedules import Schedule, lower
 
+__all__ = ["Pipe"]
+
 log = logging.getLogger(__name__)
 
 DeviceLike = str | int | torch.device

@@ -56,14 +56,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._ext import native_chain
 from fastpipe.runtime._backward import Root, backward_full, filled, run_backward
 
-_aten = torch.ops.aten
+__all__ = [
+    "EmbeddingRule", "Entry", "LayerNormRule", "LinearRule", "Pending", "RMSNormRule", "WeightQueue",
+    "WeightRule", "accumulate", "backward_input", "collecting", "install", "linear_entry",
+    "register_weight_rule", "run_weight", "uninstall",
+]
+
 
 
 class WeightRule:
@@ -478,181 +482,7 @@ def _modules_outside_compiled(root: nn.Module) -> Iterator[nn.Module]:
         stack.extend(reversed(list(m.children())))
 
 
-# --- the built-in rules ----------------------------------------------------------
-
-
-def _amp_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The autocast dtype active for ``x``'s device, or None."""
-    if not torch._C._is_any_autocast_enabled():  # one call where autocast is off
-        return None
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-
-
-class LinearRule(WeightRule):
-    """``y = x Wᵀ + b`` over any leading dimensions: W ``gᵀ x`` and ``Σ g``.
-
-    Under autocast the input is cast first, as autocast casts it (linear is
-    on its lower-precision list), so W keeps the copy autograd would keep.
-    """
-
-    def params(self, m):
-        return (m.weight, m.bias)
-
-    def forward(self, m, x, detached):
-        low = _amp_dtype(x)
-        if low is not None and x.dtype != low and x.is_floating_point():
-            x = x.to(low)
-        return F.linear(x, *detached), (x.detach().reshape(-1, x.shape[-1]),), None
-
-    def weight_grads(self, kept, meta, targets, g):
-        g2 = g.reshape(-1, g.shape[-1])
-        pw, pb = targets
-        return (torch.mm(g2.t(), kept[0]) if pw is not None else None,
-                g2.sum(0) if pb is not None else None)
-
-    def rows(self, kept, meta):
-        return kept[0].shape[0]
-
-    def native(self, targets, meta, chain):
-        return chain.WeightLayer(0, list(targets), [], [], 0.0)
-
-    def gather(self, entries):
-        if len(entries) == 1:
-            e = entries[0]
-            return _linear_grads(e.params, e.g.reshape(-1, e.g.shape[-1]), e.saved[0])
-        g = torch.cat([e.g.reshape(-1, e.g.shape[-1]) for e in entries])
-        return _linear_grads(entries[0].params, g, torch.cat([e.saved[0] for e in entries]))
-
-
-def _linear_grads(targets, g2: torch.Tensor, x2: torch.Tensor):
-    """``gᵀx`` and ``Σg`` over rows; the weight's added straight into an
-    existing ``.grad`` of the computation's dtype (``addmm_``: no fresh
-    matrix, one pass over ``.grad``; other rounding than autograd's
-    ``mm`` then ``add_``)."""
-    pw, pb = targets
-    gw = None
-    if pw is not None:
-        if pw.grad is not None and pw.grad.dtype == g2.dtype == x2.dtype and pw.grad.is_contiguous():
-            pw.grad.addmm_(g2.t(), x2)
-        else:
-            gw = torch.mm(g2.t(), x2)
-    return gw, (g2.sum(0) if pb is not None else None)
-
-
-def _norm_input(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """The input a norm computed on: autocast may run norms in float32
-    (CUDA) or leave a low-precision input as it is (CPU); the output's
-    gradient has the dtype of that computation."""
-    return x.to(g.dtype) if g.dtype != x.dtype and g.dtype == torch.float32 else x
-
-
-class LayerNormRule(WeightRule):
-    """``nn.LayerNorm``: W recomputes the statistics (one pass over the
-    input) and runs ATen's own backward for the weight and bias only."""
-
-    def params(self, m):
-        return (m.weight, m.bias)
-
-    def forward(self, m, x, detached):
-        w, b = detached
-        out = F.layer_norm(x, m.normalized_shape, w, b, m.eps)
-        return out, (x.detach(),), (tuple(m.normalized_shape), m.eps, w, b)
-
-    def native(self, targets, meta, chain):
-        shape, eps, w, b = meta
-        return chain.WeightLayer(1, list(targets), [w, b], list(shape), eps)
-
-    def weight_grads(self, kept, meta, targets, g):
-        shape, eps, w, b = meta
-        x = _norm_input(kept[0], g)
-        if w is not None and w.dtype != x.dtype and x.dtype == torch.float32:
-            w, b = w.float(), (b.float() if b is not None else None)
-        _, mean, rstd = torch.native_layer_norm(x, shape, w, b, eps)
-        pw, pb = targets
-        _, gw, gb = _aten.native_layer_norm_backward(
-            g, x, shape, mean, rstd, w, b, [False, pw is not None, pb is not None])
-        return gw, gb
-
-
-class RMSNormRule(WeightRule):
-    """``nn.RMSNorm``: W is ``Σ g · x̂`` with ``x̂ = x · rstd`` recomputed."""
-
-    def params(self, m):
-        return (m.weight,)
-
-    def forward(self, m, x, detached):
-        out = F.rms_norm(x, m.normalized_shape, detached[0], m.eps)
-        return out, (x.detach(),), (len(m.normalized_shape), m.eps)
-
-    def weight_grads(self, kept, meta, targets, g):
-        if targets[0] is None:
-            return (None,)
-        dims, eps = meta
-        x = _norm_input(kept[0], g)
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        reduce = tuple(range(-dims, 0))
-        eps = eps if eps is not None else torch.finfo(x.dtype).eps
-        xhat = (xf * torch.rsqrt(xf.pow(2).mean(reduce, keepdim=True) + eps)).to(x.dtype)
-        return ((g * xhat).sum(tuple(range(g.dim() - dims))),)
-
-
-class EmbeddingRule(WeightRule):
-    """``nn.Embedding`` (dense, no ``max_norm``): W adds each looked-up row's
-    gradient into the table's.
-
-    Autograd's backward (``embedding_dense_backward``) makes a fresh table of
-    zeros the size of the weight for every call, scatters into it and adds it
-    to ``.grad``: two passes over the whole table for a few rows, and on CPUs
-    a weight-sized allocation that faults its pages in every time. Fused, the
-    rows of one or several microbatches go into an existing ``.grad`` with
-    one ``index_add_`` (other rounding order; a padding row's gradient is
-    masked to zero, as autograd leaves it). Frequency scaling, a missing
-    ``.grad`` and deterministic CUDA algorithms (``index_add_`` accumulates
-    with atomics there) keep autograd's op, per microbatch.
-    """
-
-    def params(self, m):
-        return (m.weight,)
-
-    def accepts(self, m):
-        return m.max_norm is None and not m.sparse
-
-    def forward(self, m, ids, detached):
-        out = F.embedding(ids, detached[0], m.padding_idx, None, 2.0, m.scale_grad_by_freq, False)
-        pad = m.padding_idx if m.padding_idx is not None else -1
-        return out, (ids.detach(),), (detached[0].shape[0], pad, m.scale_grad_by_freq)
-
-    def native(self, targets, meta, chain):
-        num, pad, freq = meta
-        return chain.WeightLayer(2, list(targets), [], [num, pad, int(freq)], 0.0)
-
-    def weight_grads(self, kept, meta, targets, g):
-        num, pad, freq = meta
-        return (_aten.embedding_dense_backward(g, kept[0], num, pad, freq),)
-
-    def rows(self, kept, meta):
-        return None if meta[2] else kept[0].numel()  # frequency scaling counts per call
-
-    def gather(self, entries):
-        num, pad, _ = entries[0].meta
-        w = entries[0].params[0]
-        ids = torch.cat([e.saved[0].reshape(-1) for e in entries])
-        g = torch.cat([e.g.reshape(-1, e.g.shape[-1]) for e in entries])
-        if w is None:
-            return (None,)
-        grad = w.grad
-        if (grad is None or grad.dtype != g.dtype or not grad.is_contiguous()
-                or (grad.is_cuda and torch.are_deterministic_algorithms_enabled())):
-            return (_aten.embedding_dense_backward(g, ids, num, pad, False),)
-        if pad >= 0:
-            g = g.masked_fill((ids == pad).unsqueeze(1), 0)
-        grad.index_add_(0, ids, g)
-        return (None,)
-
-
-register_weight_rule(nn.Linear, LinearRule())
-register_weight_rule(nn.LayerNorm, LayerNormRule())
-register_weight_rule(nn.Embedding, EmbeddingRule())
-if hasattr(nn, "RMSNorm"):
-    register_weight_rule(nn.RMSNorm, RMSNormRule())
+# The built-in rules register themselves (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding).
+from fastpipe.runtime.weight_rules import (  # noqa: E402
+    EmbeddingRule, LayerNormRule, LinearRule, RMSNormRule,
+)
