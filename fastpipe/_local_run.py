@@ -106,14 +106,20 @@ class LocalRunner:
         with switch_interval(self.switch_interval if schedule.ranks > 1 else None):
             events = [self.ring.submit(r, with_caller_threads(lambda r=r: run_rank(r)))
                       for r in range(schedule.ranks)]
-            try:
-                outcomes = [_outcome(ev) for ev in events]
-            except KeyboardInterrupt as exc:
-                mailbox.fail(-1, exc)  # unblock the workers, then let them finish
-                for ev in events:
-                    _outcome(ev)
-                self._drop_rings(lanes)
-                raise
+            outcomes = self._outcomes(events, mailbox, lanes)
+        return outcomes[last_rank]
+
+    def _outcomes(self, events, mailbox: Mailbox, lanes) -> list:
+        """Every rank's result, once all stopped; raises the first failure
+        (the mailbox's, the failing rank's own exception, else a rank's)."""
+        try:
+            outcomes = [_outcome(ev) for ev in events]
+        except KeyboardInterrupt as exc:
+            mailbox.fail(-1, exc)  # unblock the workers, then let them finish
+            for ev in events:
+                _outcome(ev)
+            self._drop_rings(lanes)
+            raise
         for rank_lanes in lanes:
             rank_lanes.exit_to_caller()
         failed = [v for v in outcomes if isinstance(v, BaseException)]
@@ -123,7 +129,7 @@ class LocalRunner:
             raise mailbox.first_failure[1]
         for value in failed:
             raise value
-        return outcomes[last_rank]
+        return outcomes
 
     def close(self) -> None:
         """Stops the ring's lanes and gives the CUDA streams back to the

@@ -139,18 +139,7 @@ class Pipe(nn.Module):
         self.fused_wgrad, self.free_remote = cfg.fused_wgrad, cfg.free_remote
         self._lowered = lower(self.schedule)
         self._forward_only = lower(_args.forward_schedule(self.schedule))
-        self._ties: list = []  # parameters used by several stages (fastpipe._ties)
-        self._tied = None  # distributed: TiedGrads, when some tie spans ranks
-        self._local_ties = None  # local mode: LocalTies, when some tie spans ranks
-        if cfg.balance is not None:
-            self._find_ties(model, cfg.balance)
-        if cfg.recompute == "selective":  # changes the user's model in place: after every check
-            from fastpipe.kernels import selective_recompute
-
-            selective_recompute(model)
-        self.balance = cfg.balance
-        self._problem: str | None = None  # set by _build_stages; raised on every rank
-        self._stages = None if cfg.balance is None else self._build_stages()
+        self._set_up_stages(cfg)
         if self.distributed:
             self._check_ranks_agree()
         elif self._problem is not None:
@@ -172,6 +161,21 @@ class Pipe(nn.Module):
                  self.balance)
 
     # --- set-up ----------------------------------------------------------------
+
+    def _set_up_stages(self, cfg) -> None:
+        """Ties and stages, unless the balance waits for the first step ("auto")."""
+        self._ties: list = []  # parameters used by several stages (fastpipe._ties)
+        self._tied = None  # distributed: TiedGrads, when some tie spans ranks
+        self._local_ties = None  # local mode: LocalTies, when some tie spans ranks
+        if cfg.balance is not None:
+            self._find_ties(self.module, cfg.balance)
+        if cfg.recompute == "selective":  # changes the user's model in place: after every check
+            from fastpipe.kernels import selective_recompute
+
+            selective_recompute(self.module)
+        self.balance = cfg.balance
+        self._problem: str | None = None  # set by _build_stages; raised on every rank
+        self._stages = None if cfg.balance is None else self._build_stages()
 
     def _split_by_time(self, x: Any) -> None:
         """balance="auto": profile on the first microbatch, then build the stages."""

@@ -214,6 +214,42 @@ class RankExecutor(StageCompute):
             On the rank of the last stage: ``{microbatch: loss}`` when training,
             ``{microbatch: output}`` otherwise. Elsewhere an empty dict.
         """
+        installed = self._begin(inputs, targets, loss_fn, train)
+        grad_mode = torch.enable_grad() if train else torch.no_grad()
+        try:
+            # Autocast off but where _forward and _recompute turn it on.
+            if refuse is not None:
+                raise refuse
+            with grad_mode, autocast(self._amp, self._amp_cache, enabled=False):
+                self._loop()
+        except BaseException as exc:
+            unsent = self._unsent()
+            if isinstance(exc, CallMismatch):
+                # The peer runs the other call's list: it may wait for messages
+                # this one never sends (gradients, when this rank is in pipe(x)).
+                unsent += self._all_backward_sends(unsent)
+            self.transport.fail(exc, unsent)
+            raise
+        finally:
+            for i in self._chains:  # no reference to the parameters outlives the step
+                self.stages[i].chain.unbind()
+            for layers in installed:
+                deferred.uninstall(layers)
+            if self._weights or any(st.weights.waiting for st in self.stages.values()):
+                for st in self.stages.values():  # a failed step: W's work is dropped
+                    st.weights.clear()
+        leftovers = [
+            name for name in ("_saved", "_weights", "_outbox", "_pending", "_local", "_held")
+            if getattr(self, name)
+        ]
+        if leftovers:
+            raise AssertionError(f"rank {self.rank}: the schedule left {leftovers} non-empty")
+        return self._results
+
+    def _begin(self, inputs, targets, loss_fn, train: bool) -> list:
+        """A step's state, emptied as its actions run; the layers that defer
+        their weight gradients (returned, for ``deferred.uninstall``); every
+        receive handed to the transport where it posts ahead."""
         self._inputs, self._targets, self._loss_fn, self._train = inputs, targets, loss_fn, train
         self._pending: dict[tuple[str, int, int], Any] = {}
         self._local: dict[tuple[str, int, int], tuple[list[torch.Tensor], bool]] = {}
@@ -249,36 +285,7 @@ class RankExecutor(StageCompute):
             for action in self.actions:
                 if action.kind in (Kind.RECV_F, Kind.RECV_B):
                     self._post(action)
-        grad_mode = torch.enable_grad() if train else torch.no_grad()
-        try:
-            # Autocast off but where _forward and _recompute turn it on.
-            if refuse is not None:
-                raise refuse
-            with grad_mode, autocast(self._amp, self._amp_cache, enabled=False):
-                self._loop()
-        except BaseException as exc:
-            unsent = self._unsent()
-            if isinstance(exc, CallMismatch):
-                # The peer runs the other call's list: it may wait for messages
-                # this one never sends (gradients, when this rank is in pipe(x)).
-                unsent += self._all_backward_sends(unsent)
-            self.transport.fail(exc, unsent)
-            raise
-        finally:
-            for i in self._chains:  # no reference to the parameters outlives the step
-                self.stages[i].chain.unbind()
-            for layers in installed:
-                deferred.uninstall(layers)
-            if self._weights or any(st.weights.waiting for st in self.stages.values()):
-                for st in self.stages.values():  # a failed step: W's work is dropped
-                    st.weights.clear()
-        leftovers = [
-            name for name in ("_saved", "_weights", "_outbox", "_pending", "_local", "_held")
-            if getattr(self, name)
-        ]
-        if leftovers:
-            raise AssertionError(f"rank {self.rank}: the schedule left {leftovers} non-empty")
-        return self._results
+        return installed
 
     def _loop(self) -> None:
         verbs, release_at = self._verbs, self._release_at
