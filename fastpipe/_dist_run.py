@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fastpipe._args import raise_first
+from fastpipe._ring_lanes import RingLanes
 from fastpipe.runtime.executor import RankExecutor, Stage
-from fastpipe.runtime.lanes import lanes_for
 from fastpipe.runtime.threads import autocast_state
 from fastpipe.runtime.transport import CommLanes, DistTransport, connect_pairs, flow_groups, late_groups
 from fastpipe.schedules import Schedule
@@ -59,8 +59,7 @@ class DistRunner:
             connect_pairs([*(self.p2p_groups.values() or [group]), *self.late_groups.values()], group,
                           schedule.stage_to_rank, rank, devices[rank])
         self.transport = None
-        self.ring = None
-        self.device_lanes: dict[int, Any] = {}
+        self._lanes = RingLanes(timeout, overlap)
         self.broken: BaseException | None = None
         self.memory: dict[int, int] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
@@ -143,12 +142,7 @@ class DistRunner:
         try:
             self.finish_loss_broadcast()
         finally:
-            if self.ring is not None:
-                self.ring.close()
-                self.ring = None
-            for lanes in self.device_lanes.values():
-                lanes.close()
-            self.device_lanes.clear()
+            self._lanes.close()
 
     def transport_for(self, rank: int):
         """This rank's transport (made at the first step, kept after)."""
@@ -174,20 +168,11 @@ class DistRunner:
         return self.transport
 
     def _ring_for(self):
-        from fastpipe._ext import native
-
-        if self.ring is None:
-            self.ring = native().HostRing(4 if self.overlap else 1)
-        return self.ring
+        return self._lanes.ring_for(4 if self.overlap else 1)
 
     def _lanes_of(self, rank: int):
         """The rank's CUDA streams (made once until close)."""
-        lanes = self.device_lanes.get(rank)
-        if lanes is None or getattr(lanes, "ring", self.ring) is not self.ring:
-            lanes = lanes_for(self.devices[rank], self.ring, self.schedule.ranks + rank,
-                              self.timeout, overlap=self.overlap)
-            self.device_lanes[rank] = lanes
-        return lanes
+        return self._lanes.of(rank, self.devices[rank], self.schedule.ranks + rank)
 
     def _connect_shm(self, shm: bool | None):
         """The shared-memory rings of a same-host CPU pipeline (``runtime/shm.py``), or None."""

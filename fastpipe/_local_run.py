@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from fastpipe._ring_lanes import RingLanes
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.checkpoint import stochastic
 from fastpipe.runtime.executor import RankExecutor, Stage
-from fastpipe.runtime.lanes import lanes_for
 from fastpipe.runtime.threads import autocast_state, switch_interval, with_caller_threads
 from fastpipe.runtime.transport import CommLanes, CopyTransport, LocalTransport, Mailbox, ReceiveRings
 from fastpipe.schedules import Schedule
@@ -50,8 +50,8 @@ class LocalRunner:
         self._training, self._inference = training, inference  # lowered: receive-ring sizes
         self.copies = all(d.type == "cuda" for d in devices)
         self.switch_interval: float | None = None
-        self.ring = None
-        self.device_lanes: dict[int, Any] = {}  # rank -> CudaLanes, made once (until close())
+        self._lanes = RingLanes(timeout, overlap)
+        self.device_lanes = self._lanes.device_lanes  # rank -> CudaLanes, made once (until close())
         self.recv_rings: ReceiveRings | None = None
         self.memory: dict[int, int] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
@@ -134,20 +134,14 @@ class LocalRunner:
     def close(self) -> None:
         """Stops the ring's lanes and gives the CUDA streams back to the
         process's pool (``runtime/streams.py``); a later step makes both afresh."""
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
-        for lanes in self.device_lanes.values():
-            lanes.close()
-        self.device_lanes.clear()
+        self._lanes.close()
+
+    @property
+    def ring(self):
+        return self._lanes.ring
 
     def _ring_for(self):
-        from fastpipe._ext import native
-
-        if self.ring is None:
-            lanes = 2 * self.ranks if self.overlap or self.copies else self.ranks
-            self.ring = native().HostRing(lanes)
-        return self.ring
+        return self._lanes.ring_for(2 * self.ranks if self.overlap or self.copies else self.ranks)
 
     def _transport(self, rank: int, mailbox: Mailbox):
         if self.copies:
@@ -159,12 +153,7 @@ class LocalRunner:
     def _lanes_of(self, rank: int):
         """A rank's device lanes: its CUDA streams (made once), or host lanes
         on the current ring (lane ``ranks + rank`` runs its copies)."""
-        lanes = self.device_lanes.get(rank)
-        if lanes is None or getattr(lanes, "ring", self.ring) is not self.ring:
-            lanes = lanes_for(self.devices[rank], self.ring, self.ranks + rank, self.timeout,
-                              overlap=self.overlap)
-            self.device_lanes[rank] = lanes
-        return lanes
+        return self._lanes.of(rank, self.devices[rank], self.ranks + rank)
 
     def _drop_rings(self, lanes) -> None:
         """After a failed step: slots of messages nobody took are still held,
