@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 import time
 
+__all__ = ["run"]
+
 
 def _compare_schedules(ranks: int = 4, microbatches: int = 8) -> None:
     import argparse

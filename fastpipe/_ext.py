@@ -10,6 +10,8 @@ import functools
 import importlib
 from types import ModuleType
 
+__all__ = ["native", "native_chain"]
+
 
 @functools.cache
 def native() -> ModuleType:

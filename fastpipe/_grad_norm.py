@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+__all__ = ["clip_grad_norm"]
+
 
 def clip_grad_norm(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tensor], max_norm: float,
                    norm_type: float, error_if_nonfinite: bool, foreach: bool | None,

@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "Spec", "TENSOR", "Value", "batch_size", "flatten", "gather", "needs_grad", "split",
+    "unflatten",
+]
+
 Value = Any  # a tensor or a tuple of tensors: what one layer passes the next
 
 

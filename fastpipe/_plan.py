@@ -27,6 +27,8 @@ from fastpipe.balance._partition import improve
 from fastpipe.runtime.checkpoint import MODES, checkpointed
 from fastpipe.schedules import Action, Kind, Schedule, build, names
 
+__all__ = ["Candidate", "Plan", "balance_for", "parse_bytes", "plan", "rank_memory"]
+
 
 @dataclass(frozen=True)
 class Candidate:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+__all__ = ["spawn"]
+
 
 def spawn(world: int, target: Callable, *args, timeout: float = 1800.0) -> list:
     """Runs ``target(rank, world, init_method, queue, *args)`` in ``world`` processes.

@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+__all__ = ["held_state_dict", "load_held", "state_dict"]
+
 
 def state_dict(model: nn.Module, keep_vars: bool = False) -> dict[str, Any]:
     """``model.state_dict()`` with each shared tensor once, under its first name.

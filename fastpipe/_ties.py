@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+__all__ = ["LocalTies", "Tie", "TiedGrads", "check_local", "find_ties"]
+
 
 @dataclass
 class Tie:

@@ -6,6 +6,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
+__all__ = ["improve", "partition"]
+
 # Above this many candidate splits, ranks with several parts are balanced by
 # local search from the per-part optimum instead of by trying every split.
 _EXHAUSTIVE = 50_000

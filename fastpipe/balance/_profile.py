@@ -1,18 +1,15 @@
-"""Measuring a model layer by layer: times of F, B, I, W and bytes per microbatch.
+"""Measuring a model layer by layer: times of F, B, I and W and bytes per microbatch.
 
 Each layer runs on the output of the one before, on one microbatch, with
 the same backward functions the executor uses (full B, input-only I,
 weight-only W), so the costs the planner simulates are the executor's.
-
 Layers are timed in runs of ``window`` consecutive layers, the way a
-pipeline stage meets them: forward through the run, then backward back
-through it. Timing one layer over and over instead keeps its weights and
-gradients in cache, and on a CPU whose cache holds one layer but not a
-stage that underestimates a stage's time by 30-50 % (measured on the
-benchmark MLP: 1.0 ms per block forward alone, 1.4 ms in sequence).
-Times are medians over ``repeats`` after ``warmup`` runs. Memory per layer:
-parameter bytes and the bytes autograd saves for backward (parameters
-excluded), counted with saved-tensor hooks.
+pipeline stage meets them (forward through the run, then backward back
+through it): one layer timed over and over stays in cache, and a stage's
+time comes out short (``docs/design/memory.md``, "How the planner walks
+memory"). Times are medians over ``repeats`` after ``warmup`` runs. Memory
+per layer: parameter bytes and the bytes autograd saves for backward
+(parameters excluded), counted with saved-tensor hooks.
 """
 
 from __future__ import annotations
@@ -30,6 +27,8 @@ from fastpipe import _microbatch as mbatch
 from fastpipe.runtime import deferred
 from fastpipe.runtime._backward import backward_full
 from fastpipe.runtime.memory import SavedBytes
+
+__all__ = ["LayerProfile", "Profile", "profile"]
 
 
 @dataclass(frozen=True)

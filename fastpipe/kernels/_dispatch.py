@@ -7,6 +7,8 @@ from contextlib import contextmanager
 
 import torch
 
+__all__ = ["backend", "use_triton"]
+
 _CHOICES = ("auto", "triton", "torch")
 _choice = "auto"
 

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+__all__ = ["BLOCK", "block", "grid1d", "is_bf16", "on_tensor_device", "store", "to_bf16_rne"]
+
 BLOCK = 1024  # elements per program of the elementwise kernels
 
 

@@ -24,6 +24,11 @@ from torch.nn import functional as F
 from fastpipe.kernels._dispatch import use_triton
 from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, on_tensor_device, store
 
+__all__ = [
+    "ACTIVATIONS", "ActLinear", "ActLinearFunction", "Deferred", "act_backward_torch",
+    "act_backward_triton", "act_forward_torch", "act_forward_triton",
+]
+
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")
 _CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 

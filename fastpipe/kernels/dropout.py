@@ -18,6 +18,11 @@ from torch import nn
 from fastpipe.kernels._dispatch import use_triton
 from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, on_tensor_device, store
 
+__all__ = [
+    "SeededDropout", "SeededDropoutFunction", "draw_seed", "dropout_torch", "dropout_triton",
+    "keep_mask", "philox_uniform",
+]
+
 _M32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57

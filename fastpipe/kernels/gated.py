@@ -20,6 +20,11 @@ from fastpipe.kernels._dispatch import use_triton
 from fastpipe.kernels._triton import BLOCK, block, grid1d, is_bf16, on_tensor_device, store
 from fastpipe.kernels.activation import _CODE, _act_and_grad
 
+__all__ = [
+    "GatedFunction", "GeGLU", "SwiGLU", "gated_backward_torch", "gated_backward_triton",
+    "gated_forward_torch", "gated_forward_triton",
+]
+
 
 @triton.jit
 def _gated_fwd_kernel(

@@ -21,6 +21,11 @@ from torch.nn import functional as F
 from fastpipe.kernels._dispatch import use_triton
 from fastpipe.kernels._triton import is_bf16, on_tensor_device, store
 
+__all__ = [
+    "LayerNorm", "NormFunction", "RMSNorm", "norm_backward_torch", "norm_backward_triton",
+    "norm_forward_torch", "norm_forward_triton",
+]
+
 
 @triton.jit
 def _norm_fwd_kernel(

@@ -52,6 +52,8 @@ import triton.language as tl
 
 from fastpipe.kernels._triton import to_bf16_rne
 
+__all__ = ["CAST_BLOCK", "COPY", "FLOAT_CODES", "TILE", "TilePlan", "pack_triton", "unpack_triton"]
+
 TILE = 8192  # bytes per program of a row copied as it is
 CAST_BLOCK = 2048  # elements per program of a row cast
 COPY_WARPS = 4  # warps per program of a launch that only copies

@@ -8,6 +8,8 @@ from fastpipe.kernels.activation import ActLinear, Deferred
 from fastpipe.kernels.dropout import SeededDropout
 from fastpipe.kernels.norm import LayerNorm, RMSNorm
 
+__all__ = ["selective_recompute"]
+
 
 def _activation_name(module: nn.Module) -> str | None:
     if type(module) is nn.ReLU:

@@ -5,25 +5,12 @@ and W (weight gradients); the layers themselves make that split
 (``fastpipe.runtime.deferred``), so every backward here is one plain
 engine call.
 
-Where the saved tensors are freed matters when several threads run stages
-in one interpreter (local mode). A tensor that Python has seen keeps its
-Python object while C++ holds it, and dropping the last C++ reference (the
-graph's saved copy) takes the GIL to release that object. An engine that
-frees the graph as it goes (``retain_graph=False``) therefore takes the GIL
-once per saved tensor, and while another thread runs Python each of those
-waits for a hand-over. On the narrow benchmark stage (4 MLP blocks, d=128,
-16 microbatches of 4 rows) one backward call took 7.6 ms alone and 1.1 s next
-to a thread spinning in Python; two threads, each running 20 passes of
-forward and backward over its microbatches, took 418 ms against 273 ms for
-one thread alone. With ``keep_graph=True`` the engine frees nothing: the
-graph goes when the caller drops its roots, on a thread that holds the GIL
-already; the same backward took 15 ms next to the spinning thread and the two
-threads 297 ms.
-
+``keep_graph=True`` leaves the saved tensors to be freed with the graph
+when the caller drops its roots, not by the engine as it runs: what ranks on
+threads of one interpreter want, since freeing a tensor Python has seen
+takes the GIL (``docs/design/memory.md``, "Where saved tensors are freed").
 The cost is memory: a microbatch's saved tensors stay until its backward
-returns instead of going as the engine passes them, so the peak can hold one
-stage's activations of one microbatch longer. Distributed ranks (one Python
-thread doing the work) keep the default and free as they go.
+returns. Distributed ranks keep the default and free as they go.
 """
 
 from __future__ import annotations
@@ -32,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
+
+__all__ = ["Root", "backward_full", "filled", "run_backward"]
 
 Root = torch.Tensor | GradientEdge  # a stage output, or the graph edge it came from
 

@@ -31,6 +31,8 @@ import torch
 
 from fastpipe.schedules import Action, Kind
 
+__all__ = ["BufferRing", "Stream", "copy_slots", "last_use", "receive_slots", "receive_stream"]
+
 Stream = tuple[str, int]  # (direction, stage that receives)
 
 
@@ -57,13 +59,9 @@ def receive_slots(actions: Sequence[Action], lookahead: int | None = None) -> di
     action; ``lookahead`` more let receives be posted that many ahead.
     ``None`` (the default, what ``DistTransport`` uses): a slot for every
     receive of the stream, so all of a step's receives are posted when it
-    starts. On gloo that is what is fast: a receive posted late costs ~70 us
-    on the critical path and makes its sender's message wait for gloo's
-    ready notice, handled by a thread that must win a core from the
-    computing ranks (on two cores, 1F1B on narrow layers went from 34-42 ms
-    to 26-28 ms a step, GPipe from 34-37 to 24-27 ms). The memory is one
-    buffer per microbatch and stream of what crosses the boundary, small
-    next to the activations a stage saves for each microbatch.
+    starts: on gloo a receive posted late holds up its sender
+    (``docs/design/memory.md``, "Receive-ring sizing"). The memory is one
+    buffer per microbatch and stream of what crosses the boundary.
 
     Why this cannot deadlock: a receive posted ahead waits only for slots that
     compute actions *earlier* in the list free, and those need only receives

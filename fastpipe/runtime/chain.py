@@ -1,15 +1,7 @@
 """Stages of Linears and elementwise activations, run without autograd's graph.
 
-Why: on narrow layers a stage's time is framework overhead, not arithmetic.
-Eager autograd records a node per op in the forward, and the engine then
-walks them, packs and unpacks saved tensors and accumulates each gradient
-through an AccumulateGrad node; an I/W split adds a Python graph analysis
-per microbatch on top. For a stage of 4 MLP blocks (d=128, 16 microbatches
-of 4 rows, one thread), forward plus backward over the microbatches took
-15.0-15.4 ms through autograd, 12.3-12.5 ms as the same aten ops issued from
-Python and 9.1-9.8 ms issued from C++ (``fastpipe._chain``; 7.5-8.6 ms
-with its GELU kernel, see below). So when every layer of a stage is one this module knows (exact
-types: ``nn.Linear``, ``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, ``nn.Tanh``,
+When every layer of a stage is one this module knows (exact types:
+``nn.Linear``, ``nn.GELU``, ``nn.ReLU``, ``nn.SiLU``, ``nn.Tanh``,
 ``nn.Sigmoid``, ``nn.Identity``, nested plain ``nn.Sequential``), the
 executor runs it as a :class:`Chain`:
 
@@ -19,33 +11,20 @@ executor runs it as a :class:`Chain`:
     I:  g ─► ... ─► g·W ─► gelu_backward ─► g·W ─► grad of x
         keeping (Linear, g, x) of each trained Linear for W
 
-The ops are the ones autograd's formulas run (``mm_mat1_backward`` and
-``mm_mat2_backward`` with the same operand layouts, ``gelu_backward`` ...),
+The ops are the ones autograd's formulas run, with the same operand layouts,
 so the input gradients are bit-identical to the eager path
-(tests/test_chain.py); the native chain runs GELU through ATen's own CPU
-kernel rather than oneDNN's (cheaper at these sizes, other last bits:
-csrc/chain/chain.cpp), so it is bit-identical to eager with oneDNN off.
-The I/W split comes for free: I keeps each Linear's incoming gradient and
-input, and W is the executor's deferred weight-gradient work
-(``fastpipe.runtime.deferred``: gathered over microbatches, as for any
-other stage), the same as eager autograd's with ``FASTPIPE_CHAIN_GATHER=0``.
-
-What would make the chain differ from eager autograd sends the stage down
-the eager path instead, checked at the start of each step (:meth:`Chain.ready`)
-and for each microbatch's input (:meth:`Chain.accepts`):
-any module hook (global or on a layer), a tensor hook or post-accumulate
-hook on a parameter, a hook on its AccumulateGrad node (seen only where
-``fastpipe._chain`` is built), a patched ``forward`` or functional, an
-active torch function or dispatch mode, anomaly detection, active
-saved-tensor hooks (offloading, ``torch.utils.checkpoint``), a weight two
-Linears share, a non-leaf or complex weight, GPU tensors (not run on a GPU
-yet), a non-2-D or non-contiguous input, a dtype that differs from the
-weights'. The
-executor itself keeps the eager path for autocast and activation
-checkpointing. ``FASTPIPE_CHAIN=0`` in the
-environment turns chains off; ``fastpipe._chain`` (C++, see
-``csrc/chain/chain.cpp``) runs them without the GIL where it was built, and
+(tests/test_chain.py; the native chain's GELU is ATen's CPU kernel, not
+oneDNN's: bit-identical with oneDNN off). W is the executor's deferred
+weight-gradient work (``fastpipe.runtime.deferred``), as for any other stage.
+:meth:`Chain.ready` (once a step) and :meth:`Chain.accepts` (per
+microbatch) send the stage down the eager path wherever a chain could differ
+from autograd; the executor keeps eager for autocast and checkpointing.
+``FASTPIPE_CHAIN=0`` turns chains off; ``fastpipe._chain``
+(``csrc/chain/chain.cpp``) runs them without the GIL where it was built, and
 the ops are issued from Python otherwise.
+
+Why: on narrow layers a stage's time is framework overhead, not arithmetic
+(``docs/design/iw-split.md``, "Chains").
 """
 
 from __future__ import annotations
@@ -60,6 +39,8 @@ from torch.nn.modules import module as _module
 
 from fastpipe._ext import native_chain
 from fastpipe.runtime import deferred
+
+__all__ = ["Chain", "enabled", "gathering"]
 
 _aten = torch.ops.aten
 
@@ -183,8 +164,9 @@ class Chain:
 
     def ready(self) -> bool:
         """What does not change between the microbatches of a step, checked
-        once a step (on the narrow benchmark stage these checks cost 75 us,
-        a third of the native forward): no hooks anywhere they could run
+        once a step, not per microbatch (on a narrow stage they cost a share
+        of the native forward: docs/benchmarks.md, "Chains and the
+        backward"): no hooks anywhere they could run
         (module, global, parameter, its AccumulateGrad node, saved-tensor),
         no torch function or dispatch mode, no anomaly detection, no
         patched forward, the layers as they were, no parameter used by two

@@ -25,6 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+__all__ = [
+    "MODES", "NO_RANDOM", "RngState", "check_mode", "checkpointed", "forgetful", "guarded",
+    "is_recomputing", "recompute", "seeded", "stage_seed", "stochastic",
+]
+
 MODES = ("never", "except_last", "always")
 
 _state = threading.local()

@@ -123,8 +123,8 @@ class RankExecutor(StageCompute):
             ``fastpipe.runtime.chain``); native chains always run. Ranks on
             threads of one interpreter want False: each op from Python hands
             the GIL over to the other ranks' threads, where autograd's engine
-            runs a whole backward without it (local 1F1B on the narrow
-            benchmark model: 37.7 ms a step with them against 20.4 ms without).
+            runs a whole backward without it (``docs/benchmarks.md``, "Figures
+            behind design choices").
         rng_seed: local mode with stochastic stages: a number drawn once for
             the step; each stochastic forward then runs under the lock with
             its generator seeded from it and its (stage, microbatch)

@@ -50,6 +50,8 @@ import torch
 from fastpipe._ext import native
 from fastpipe.runtime.streams import cuda_streams
 
+__all__ = ["CudaLanes", "HostLanes", "lanes_for"]
+
 Regions = Sequence[tuple[torch.Tensor, int]]  # (contiguous source, byte offset in dst)
 
 

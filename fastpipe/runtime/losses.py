@@ -1,23 +1,22 @@
 """The losses fastpipe knows: value and gradient in one go, without a graph.
 
-Why: after a chain stage (``fastpipe.runtime.chain``) the loss is the last
-thing autograd still runs for a microbatch, and on narrow models it is a
-large share of the last rank's time: building the loss's two-node graph,
-then an engine call to walk it. For MSE on a [4, 128] output that was 34 us
-a microbatch against 14 us for the two aten ops autograd's formulas run.
-So when ``loss_fn`` is one of
+When the last stage runs as a chain (``fastpipe.runtime.chain``) and
+``loss_fn`` is one of
 
 - ``nn.functional.mse_loss`` or an ``nn.MSELoss`` (reduction "mean" or "sum"),
 - ``nn.functional.cross_entropy`` or an ``nn.CrossEntropyLoss`` (class-index
   targets, no class weights, no label smoothing, reduction "mean" or "sum"),
 
-the executor computes the loss and the gradient of its output with those
-ops (``mse_loss_backward``; ``nll_loss_backward`` and
+the executor computes the loss and the gradient of its output with the ops
+autograd's formulas run (``mse_loss_backward``; ``nll_loss_backward`` and
 ``_log_softmax_backward_data``), bit for bit what autograd computes
 (tests/test_losses.py). Anything else, a patched function or ``forward``,
 a hook on the loss module, an output or target of another shape, dtype,
 device or tensor type, a target that wants a gradient, goes through
 autograd as before.
+
+Why: after a chain stage the loss's graph and engine call are a large share
+of the last rank's time on narrow models (``docs/design/iw-split.md``).
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as _module
+
+__all__ = ["KnownLoss", "known_loss"]
 
 _aten = torch.ops.aten
 _REDUCTIONS = {"mean": 1, "sum": 2}  # at::Reduction

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+__all__ = ["SavedBytes", "saved_activation_bytes"]
+
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()

@@ -43,6 +43,11 @@ from fastpipe.kernels import _dispatch
 if TYPE_CHECKING:
     from fastpipe.kernels.pack import TilePlan
 
+__all__ = [
+    "Layout", "Slot", "WIRE_DTYPES", "aligned", "check_wire", "pack", "pack_into", "unpack",
+    "wire_roundtrip",
+]
+
 ALIGN = 16
 WIRE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 DTYPES = (
@@ -125,7 +130,7 @@ class Layout:
 
     # Per-layout plans, computed once: a pipeline packs and unpacks the same
     # few layouts every microbatch, and per-slot Python was most of the cost
-    # of a many-tensor boundary (1.1 us per slot to pack, 1.4 us to unpack).
+    # of a many-tensor boundary (docs/benchmarks.md, "Transports").
 
     @functools.cached_property
     def _regions(self) -> tuple[tuple[int, ...], list[int], list[int], bool]:

@@ -1,13 +1,10 @@
 """Same-host P2P for CPU pipelines: shared-memory rings instead of gloo's sockets.
 
-gloo sends every message through a loopback TCP socket, and each one wakes
-two threads on the receiving side (gloo's loop thread, then the waiting
-one). On the 2-core benchmark machine, with both cores busy computing, an
-isend of one narrow microbatch (2 KB) cost ~90 us and its matching wait
-~60 us: a few milliseconds a step on a pipeline of narrow layers, on the
-critical path. When every rank of the pipeline runs on one host, a message
-can instead be one memcpy into a ring in shared memory that the receiver,
-waiting with the GIL released, sees within a cache miss (``csrc/shm_link.h``).
+When every rank of the pipeline runs on one host, a message is one memcpy
+into a ring in shared memory that the receiver, waiting with the GIL
+released, sees within a cache miss (``csrc/shm_link.h``), instead of a
+loopback socket write that wakes two of gloo's threads on the receiving side
+(why it matters: ``docs/design/transports.md``, "Same host").
 
 ``Pipe(shm=None)`` (the default) takes this path when it can: a gloo group,
 CPU devices, every pipeline rank on this host (same host name, boot id and
@@ -59,13 +56,13 @@ from fastpipe.runtime.transport.wire import (
 )
 from fastpipe.schedules import Action
 
+__all__ = ["CAPACITY", "ShmTransport", "connect", "neighbours"]
+
 # Ring bytes per direction between two ranks (FASTPIPE_SHM_BYTES overrides).
 # A message longer than the free space streams through as its reader takes
-# it, so its sender waits for the reader; with 16 MiB messages through 8 MiB
-# rings, GPipe and ZBV steps took 2-3 % longer than over gloo (1F1B 7 %
-# less), and with 1 MiB messages every schedule was 9-17 % faster. Rings
-# much smaller than the last-level cache are faster still for small
-# messages (a 2 KiB send: 6 us through a 256 KiB ring, 17 us through 8 MiB).
+# it, so its sender waits for the reader; rings much smaller than the
+# last-level cache are faster for small messages. 8 MiB is a compromise
+# between the two (figures: docs/benchmarks.md, "Transports").
 CAPACITY = 8 << 20
 
 

@@ -1,17 +1,13 @@
 """The caller's thread-local torch settings on the native ring's lane threads.
 
-``torch.set_num_threads(n)`` sets OpenMP's thread count for the thread that
-calls it (and a process-wide value that ``torch.get_num_threads()`` reads
-back). A thread torch did not start, such as a lane of the native ring,
-keeps OpenMP's default of one thread per core until it sets its own: every
-GEMM and parallel op issued there spreads over all cores, whatever the user
-asked for. Measured on a 2-core CPU with ``torch.set_num_threads(1)``: a
-512x512 matmul issued on a lane ran on two threads, and a local pipeline's
-two ranks then ran four compute threads on two cores (a one-rank pipeline
-with fused weight gradients went from 23 to 90 ms per step as soon as a
-second Pipe's lanes existed). Work submitted to a lane is therefore wrapped
-by :func:`with_caller_threads`, which applies the submitting thread's count
-on the lane first.
+OpenMP's thread count (``torch.set_num_threads``) and autocast regions are
+per thread, and a lane is a thread torch did not start, which would keep
+OpenMP's default of one thread per core. Work submitted to a lane is
+wrapped by :func:`with_caller_threads`, which applies the submitting
+thread's count there first; the caller's autocast regions are read with
+:func:`autocast_state` on its thread and entered on the lane with
+:func:`autocast`. Why: ``docs/design/architecture.md`` ("Threads, lanes and
+the GIL").
 """
 
 from __future__ import annotations
@@ -23,6 +19,11 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+
+__all__ = [
+    "Autocast", "SHORT_SWITCH_INTERVAL", "autocast", "autocast_state", "switch_interval",
+    "with_caller_threads",
+]
 
 T = TypeVar("T")
 
@@ -79,16 +80,12 @@ def autocast(regions: Autocast, cache: bool = True, enabled: bool = True) -> Ite
         yield
 
 
-# Local mode on GPUs: each rank's thread runs Python to launch its stage's
-# kernels, holding the GIL most of the time, and torch's launches do not give
-# it up. A rank woken by a message may then wait up to the interpreter's
-# switch interval (5 ms by default) before it runs. A shorter interval is a
-# lead, not a default: on an H200 with two ranks on cuda:0 (bench/gpu_check.py,
-# local section, overhead-bound and empty stages, 4 schedules each), 0.2 ms
-# took 0.72-1.05x the default's step time in one run and 0.76-1.15x in the
-# next (geometric means 0.89 and 0.97): no clear gain for a process-wide
-# setting. ``Pipe._switch_interval`` applies one during local steps; the
-# device check measures it.
+# Local mode on GPUs: each rank's thread holds the GIL while it launches its
+# stage's kernels, so a rank woken by a message may wait up to the
+# interpreter's switch interval (5 ms by default) before it runs. A shorter
+# interval is a lead, not a default: on one GPU it gave no clear gain
+# (docs/benchmarks.md, "Lane threads"). ``LocalRunner.switch_interval`` applies
+# one during local steps; the device check measures it.
 SHORT_SWITCH_INTERVAL = 2e-4
 
 

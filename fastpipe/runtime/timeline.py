@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from fastpipe.schedules import Kind, Schedule, Simulation, TimelineRecord
 
+__all__ = ["measured"]
+
 
 def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> Simulation:
     """Builds a Simulation from real action timings.

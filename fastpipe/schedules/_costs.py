@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from fastpipe.schedules._ir import Action
 
+__all__ = ["Costs", "compute_cost", "rank_speeds", "transfer_cost"]
+
 # A cost per kind: one number for every stage, or one number per stage.
 CostValue = float | Sequence[float]
 Costs = Mapping[str, CostValue] | Callable[[Action], float]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from fastpipe.schedules._ir import Action, Schedule
 
+__all__ = ["load_csv", "save_csv"]
+
 logger = logging.getLogger(__name__)
 
 _OVERLAP = "OVERLAP_F_B"

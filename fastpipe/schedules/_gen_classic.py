@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._placement import loop_placement
 
+__all__ = ["gpipe", "looped_bfs", "one_f_one_b"]
+
 
 def gpipe(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
     """GPipe (Huang et al. 2019): every forward, then every backward.

@@ -29,6 +29,8 @@ from collections import deque
 from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._placement import v_placement
 
+__all__ = ["dualpipev"]
+
 
 def dualpipev(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """DualPipeV as F/B/I/W lists (the module docstring has the program).

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._placement import loop_placement
 
+__all__ = ["interleaved_1f1b"]
+
 
 def interleaved_1f1b(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved 1F1B: 1F1B over ``v`` chunks per rank, chunk by chunk in groups of ``p``.

@@ -15,6 +15,8 @@ from fastpipe.schedules._greedy import list_schedule
 from fastpipe.schedules._ir import Schedule
 from fastpipe.schedules._placement import loop_placement, v_placement
 
+__all__ = ["zb_h1", "zb_h2", "zbv"]
+
 
 def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
     """ZB-H1: 1F1B's activation memory, W filling the drain; a third of 1F1B's bubble.

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from fastpipe.schedules._ir import Action, Kind, Schedule
 
+__all__ = ["list_schedule"]
+
 
 @dataclass
 class _Rank:

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from fastpipe.schedules._costs import Costs
     from fastpipe.schedules._simulate import Simulation
 
+__all__ = ["Action", "Kind", "Schedule"]
+
 
 class Kind(str, enum.Enum):
     """What an action does to its (stage, microbatch)."""

@@ -6,6 +6,8 @@ import dataclasses
 
 from fastpipe.schedules._ir import Action, Kind, Schedule
 
+__all__ = ["lower", "matching_recv", "matching_send"]
+
 
 def lower(schedule: Schedule) -> Schedule:
     """Return ``schedule`` with SEND/RECV actions around each cross-rank transfer.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["loop_placement", "v_placement"]
+
 
 def loop_placement(ranks: int, stages_per_rank: int) -> tuple[int, ...]:
     """Stage ``s`` on rank ``s % ranks`` (GPipe, 1F1B, interleaved, looped BFS).

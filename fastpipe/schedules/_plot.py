@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fastpipe.schedules._simulate import Simulation, TimelineRecord
 
+__all__ = ["plot"]
+
 # Forward blue, full backward green, input backward orange, weight backward purple.
 COLORS = {"F": "#4c72b0", "B": "#55a868", "I": "#dd8452", "W": "#8172b3"}
 COMM_COLOR = "#999999"

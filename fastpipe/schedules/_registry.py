@@ -11,6 +11,8 @@ from fastpipe.schedules._gen_interleaved import interleaved_1f1b
 from fastpipe.schedules._gen_zero_bubble import zb_h1, zb_h2, zbv
 from fastpipe.schedules._ir import Schedule
 
+__all__ = ["build", "names"]
+
 Generator = Callable[[int, int, int], Schedule]
 
 

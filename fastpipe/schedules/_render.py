@@ -7,6 +7,8 @@ from typing import Literal
 
 from fastpipe.schedules._ir import Action, Schedule
 
+__all__ = ["render_text"]
+
 IDLE = "."
 
 

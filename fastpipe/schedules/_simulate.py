@@ -11,6 +11,8 @@ from fastpipe.schedules._costs import Costs, compute_cost, rank_speeds, transfer
 from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._lower import lower, matching_recv, matching_send
 
+__all__ = ["Simulation", "TimelineRecord", "inflight_peaks", "simulate", "unit_costs"]
+
 
 @dataclass(frozen=True)
 class TimelineRecord:

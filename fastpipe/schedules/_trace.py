@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fastpipe.schedules._simulate import Simulation
 
+__all__ = ["to_chrome_trace"]
+
 COMPUTE_TID, COMM_TID = 0, 1
 
 

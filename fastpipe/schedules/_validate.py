@@ -11,6 +11,8 @@ from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._lower import lower, matching_send
 from fastpipe.schedules._render import render_text
 
+__all__ = ["ScheduleError", "validate"]
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot run as written.

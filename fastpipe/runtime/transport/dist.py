@@ -2,27 +2,22 @@
 
 Messages follow ``wire``'s format and size protocol. Receives are posted
 ahead into bounded rings of buffers, so a message lands when it is sent
-rather than when its consumer asks for it.
+rather than when its consumer asks for it. Messages up and down the ranks
+travel on two groups of their own (``groups.flow_groups``).
 
-NCCL needs every receive to be exactly the size of its send, and matches a
-pair's messages by order (it ignores tags). With ``exact``:
+NCCL needs every receive exactly the size of its send and matches a pair's
+messages by order (it ignores tags). With ``exact``:
 - every message on a posted tag (data, notice or abort) is padded to the
   size the receiver posted, max(capacity, MIN_POST), which both ends know;
 - every tag is 0, and the receiver posts and completes each peer's
-  messages in the order that peer sends them (``wire.sender_orders``; in
-  some V schedules it differs from the receiver's own RECV order), keeping
-  those its consumers do not need yet;
+  messages in the order that peer sends them (``wire.sender_orders``),
+  keeping those its consumers do not need yet;
 - the full message after an oversize notice goes on groups of their own
   (``groups.late_groups``), in the same order, exactly the announced total;
-- as on gloo, messages up and down the ranks travel on two groups
-  (``groups.flow_groups``): ProcessGroupNCCL runs a pair's sends and
-  receives on one stream, in the order they are issued, so a receive posted
-  ahead would hold up every send issued after it to the same peer (and the
-  peer waits for that send to produce what the receive expects). With one
-  group per way, a pair's stream carries one way only.
-The buffers then live on the GPU (``buffers``) and the receiver copies the
-first bytes (prefix and head) to the host to read them. Lanes mode is not
-used (NCCL's own streams overlap the transfers).
+- the buffers live on the GPU (``buffers``) and the receiver copies the
+  first bytes (prefix and head) to the host to read them; lanes mode is not
+  used (NCCL's own streams overlap the transfers).
+Why each rule: ``docs/design/transports.md``, "NCCL's rules".
 
 How a failing rank tells its peers, and drains the step: ``abort``.
 """

@@ -1,21 +1,12 @@
 """The process groups a distributed pipeline's messages travel on, and their first connection.
 
-gloo's TCP transport handles each pair of ranks on one socket, guarded by
-one lock that the caller of isend/irecv holds while it writes, and an event
-loop thread that only try-locks it: when the loop finds the lock taken it
-returns and polls again, spinning. On a busy host the writer is often
-preempted inside that write by the loop thread it just woke, which then
-spins until the scheduler takes it off: milliseconds per message. So data
-going up the ranks (to a higher rank) and data coming down travel on two
-process groups, each with its own sockets, locks and loop thread: one
-pair's socket then carries data one way only (1F1B's activations and
-gradients, a V schedule's way out and way back), and the two flows stop
-stalling each other.
-
-ProcessGroupNCCL runs a pair's sends and receives on one stream, in the
-order they are issued, so a receive posted ahead would hold up every send
-issued after it to the same peer: there too one group per way keeps a
-pair's stream to one way (see ``fastpipe.runtime.transport.dist``).
+Messages up the ranks (to a higher rank) and down travel on two process
+groups of their own (:func:`flow_groups`), so a pair's gloo socket, or its
+NCCL stream, carries one way only; the full message after an oversize notice
+takes two more when messages are exact (:func:`late_groups`); and where they
+are (NCCL), every pair is connected once, in one total order, when the Pipe
+is built (:func:`connect_pairs`). Why each: ``docs/design/transports.md``, "Process
+groups" and "NCCL's rules".
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ _LATE_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 
 def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
     """Two process groups over ``group``'s ranks, on its backend: "up" carries
-    messages to a higher rank, "down" to a lower one (why: the module docstring).
+    messages to a higher rank, "down" to a lower one (why: ``docs/design/transports.md``).
 
     Collective over the ranks of ``group`` (only they take part), so every
     rank must call it in the same order, as it builds its Pipe. The groups
