@@ -45,6 +45,8 @@ def _run(case: dict, tmp: Path, world: int = 2) -> tuple[list[dict | None], list
     for r in range(world):
         f = tmp / f"r{r}.pt"
         out.append(torch.load(f, weights_only=False) if f.exists() else None)
+        if out[-1] is not None:
+            out[-1]["log"] = logs[r]  # what the rank printed, for a failing assertion to show
     return out, [p.returncode for p in procs]
 
 
@@ -70,7 +72,7 @@ def test_forward_error_on_one_rank_fails_both(tmp_path, transport):
     _failed_fast(r1, "ValueError", "boom in forward")
     _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "boom in forward")
     assert len(r0["losses"]) == len(r1["losses"]) == 1  # step 0 went through
-    assert codes == [0, 0]
+    assert codes == [0, 0], [r0["log"], r1["log"]]
 
 
 @pytest.mark.timeout(120)
@@ -95,7 +97,7 @@ def test_bad_input_on_one_rank_fails_both_at_once(tmp_path, fault, rank, message
     bad, peer = results[rank], results[1 - rank]
     _failed_fast(bad, "ValueError", message)
     _failed_fast(peer, "PeerError", f"pipeline rank {rank} failed", message)
-    assert codes == [0, 0]
+    assert codes == [0, 0], [r and r["log"] for r in results]
 
 
 @pytest.mark.timeout(120)
@@ -107,7 +109,7 @@ def test_a_rank_in_another_call_fails_its_peer_at_once(tmp_path, transport):
                            tmp_path)
     _failed_fast(r1, "CallMismatch", "pipeline rank 0 runs step() while this rank runs pipe(x)")
     _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "every rank must make the same call")
-    assert codes == [0, 0]
+    assert codes == [0, 0], [r0["log"], r1["log"]]
 
 
 @pytest.mark.timeout(120)
