@@ -15,7 +15,7 @@ growing once warmed up.
 
 Both take the device check's ``check(name, ok, detail)`` and
 ``figure(name, value, unit, note)``. On ``dev="cpu"`` (the rehearsal) the
-Pipes are forced onto the copy path (``pipe._runner.copies = True``, host lanes),
+Pipes are forced onto the copy path (``FASTPIPE_COPY_LANES=1``, host lanes),
 the path GPU ranks take, at tiny sizes.
 """
 
@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from bench._runner import switched
 from tests.models import gpt, gpt_batch, lm_loss
 from tests.support import FailsOnce, heap_in_use
 
@@ -41,10 +42,9 @@ def _pipe(model: nn.Sequential, schedule: str, dev: str, chunks: int):
     from fastpipe import Pipe
 
     devices = ["cuda:0", "cuda:0"] if dev == "cuda" else ["cpu", "cpu"]
-    pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices, timeout=60,
-                stages_per_rank=2 if schedule == "zbv" else None)
-    pipe._runner.copies = True  # on a GPU already so; on the CPU the same path with host lanes
-    return pipe
+    with switched(copy_lanes="1"):  # on a GPU already so; on the CPU the same path with host lanes
+        return Pipe(model, chunks=chunks, schedule=schedule, devices=devices, timeout=60,
+                    stages_per_rank=2 if schedule == "zbv" else None)
 
 
 def _sync(dev: str) -> None:

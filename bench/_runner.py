@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fastpipe._spawn import spawn  # noqa: F401  (re-exported for the benchmarks)
 
@@ -63,3 +65,20 @@ def workload_parser(prog: str, doc: str | None, schedules: list[str]):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(schedules))
     return parser
+
+
+@contextlib.contextmanager
+def switched(**switches: str) -> Iterator[None]:
+    """``FASTPIPE_*`` switches set (``chain="0"`` is ``FASTPIPE_CHAIN=0``) for
+    the Pipes built inside: a Pipe reads them once, when it is built."""
+    names = {f"FASTPIPE_{k.upper()}": v for k, v in switches.items()}
+    before = {k: os.environ.get(k) for k in names}
+    os.environ.update(names)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

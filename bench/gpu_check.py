@@ -74,7 +74,7 @@ import traceback
 import torch
 from torch import nn
 
-from bench._runner import median_time, round_robin_medians
+from bench._runner import median_time, round_robin_medians, switched
 
 RESULTS: dict = {}
 DEV = "cuda"  # set by main(); "cpu" for a rehearsal
@@ -525,14 +525,15 @@ def section_local() -> None:
                 # to each other; the step with a shorter switch interval.
                 from fastpipe.runtime.threads import SHORT_SWITCH_INTERVAL
 
-                pipe._runner.switch_interval = SHORT_SWITCH_INTERVAL
+                pipe.close()
+                with switched(switch_interval=str(SHORT_SWITCH_INTERVAL)):
+                    pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=devices, stages_per_rank=spr)
                 try:
                     t_short = _wall_time(lambda: pipe.step(x, y, loss_fn))
                 finally:
-                    pipe._runner.switch_interval = None
+                    pipe.close()
                 figure(f"{label} {schedule}: step time at a {SHORT_SWITCH_INTERVAL * 1e3:g} ms GIL switch "
                        "interval / at the default", t_short / t_pipe, "", f"default {sys.getswitchinterval() * 1e3:g} ms")
-                pipe.close()
                 continue
             if DEV == "cuda":
                 # Ring off: each rank's copies queue on its compute stream.

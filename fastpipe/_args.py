@@ -20,8 +20,9 @@ from fastpipe.balance import balance_by_params
 from fastpipe.schedules import Action, Kind, Schedule, build
 
 __all__ = [
-    "Settings", "check_chunks", "check_model", "check_timeout", "forward_schedule", "from_plan", "mesh_groups",
+    "Settings", "Switches", "check_chunks", "check_model", "check_timeout", "forward_schedule", "from_plan", "mesh_groups",
     "named_split", "raise_first", "ranges", "resolve_balance", "resolve_devices", "resolve_schedule", "settings",
+    "switches",
 ]
 
 
@@ -48,6 +49,43 @@ class Settings:
     fused_wgrad: bool
     shm: bool | None  # FASTPIPE_SHM=0 is shm=False
     free_remote: bool
+    switches: Switches
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The ``FASTPIPE_*`` environment switches that choose an internal path
+    (each one's default is the fast path; the others exist to compare with
+    it, or to run a GPU's path on CPUs). ``docs/design/pipe.md`` lists them."""
+
+    chains: str = "on"  # FASTPIPE_CHAIN: "on", "off" (autograd), "python" (ops issued from Python, local mode too)
+    gather_w: bool = True  # FASTPIPE_CHAIN_GATHER=0: each W at once, autograd's rounding
+    shm_bytes: str = ""  # FASTPIPE_SHM_BYTES, as given: parsed by the collective set-up, which refuses it on every rank
+    copies: bool | None = None  # FASTPIPE_COPY_LANES=1: local transfers as copies on lanes on CPUs too (None: on GPUs)
+    switch_interval: float | None = None  # FASTPIPE_SWITCH_INTERVAL: the GIL's, in seconds, while local ranks run
+
+
+def switches(environ=os.environ) -> Switches:
+    """The switches as ``environ`` sets them.
+
+    Raises:
+        ValueError: naming the variable and its value.
+    """
+    chain = environ.get("FASTPIPE_CHAIN", "1")
+    modes = {"1": "on", "on": "on", "0": "off", "off": "off", "python": "python"}
+    if chain not in modes:
+        raise ValueError(f"FASTPIPE_CHAIN must be 1, 0 or python, got {chain!r}")
+    interval = environ.get("FASTPIPE_SWITCH_INTERVAL")
+    try:
+        seconds = None if interval is None else float(interval)
+    except ValueError:
+        seconds = -1.0
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"FASTPIPE_SWITCH_INTERVAL must be a number of seconds > 0, got {interval!r}")
+    return Switches(chains=modes[chain], gather_w=environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0",
+                    shm_bytes=environ.get("FASTPIPE_SHM_BYTES", ""),
+                    copies=True if environ.get("FASTPIPE_COPY_LANES") == "1" else None,
+                    switch_interval=seconds)
 
 
 def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, group, mesh, timeout,
@@ -106,7 +144,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         exact=exact, timeout=check_timeout(timeout),
         overlap=overlap if overlap is not None else not exact and any(d.type != "cpu" for d in devices),
         checkpoint=checkpoint, recompute=recompute, wire={"F": wire_dtype, "B": grad_wire_dtype},
-        fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote)
+        fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=switches())
 
 
 def _check_flags(**flags: tuple[Any, bool]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastpipe._args import raise_first
+from fastpipe._args import Settings, raise_first
 from fastpipe._ring_lanes import RingLanes
 from fastpipe.runtime.executor import RankExecutor, Stage
 from fastpipe.runtime.threads import autocast_state
@@ -45,12 +45,13 @@ class DistRunner:
         input_grads: the first stage's input gradients of the last step.
     """
 
-    def __init__(self, group, rank: int, schedule: Schedule, devices: Sequence[torch.device],
-                 timeout: float, overlap: bool, wire: dict, exact: bool, shm: bool | None) -> None:
-        self.group, self.rank, self.schedule, self.devices = group, rank, schedule, devices
-        self.timeout, self.overlap, self.wire, self.exact = timeout, overlap, wire, exact
-        self.nccl = dist.get_backend(group) == "nccl"
-        self.shm_link = self._connect_shm(shm)
+    def __init__(self, cfg: Settings) -> None:
+        self.cfg = cfg
+        self.group, self.rank, self.schedule, self.devices = cfg.group, cfg.rank, cfg.schedule, cfg.devices
+        self.timeout, self.overlap, self.wire, self.exact = cfg.timeout, cfg.overlap, cfg.wire, cfg.exact
+        group, rank, schedule, devices, exact = cfg.group, cfg.rank, cfg.schedule, cfg.devices, cfg.exact
+        self.nccl = cfg.nccl
+        self.shm_link = self._connect_shm(cfg.shm)
         # Messages up and down the ranks on separate groups (see flow_groups).
         split = self.shm_link is None and dist.get_backend(group) in ("gloo", "nccl")
         self.p2p_groups = flow_groups(group) if split else {}
@@ -59,7 +60,7 @@ class DistRunner:
             connect_pairs([*(self.p2p_groups.values() or [group]), *self.late_groups.values()], group,
                           schedule.stage_to_rank, rank, devices[rank])
         self.transport = None
-        self._lanes = RingLanes(timeout, overlap)
+        self._lanes = RingLanes(cfg.timeout, cfg.overlap)
         self.broken: BaseException | None = None
         self.memory: dict[int, int] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
@@ -68,8 +69,8 @@ class DistRunner:
         self._loss_broadcast: tuple | None = None
 
     def run(self, schedule: Schedule, stages: dict[int, Stage], inputs, targets, loss_fn,
-            train: bool, refuse: BaseException | None, checkpoint: str, fused_wgrad: bool,
-            recording: list | None, grads_done: Callable[[int], None] | None) -> dict[int, Any]:
+            train: bool, refuse: BaseException | None, recording: list | None,
+            grads_done: Callable[[int], None] | None) -> dict[int, Any]:
         """This rank's actions of one step (or inference pass); its results."""
         try:
             self.finish_loss_broadcast()
@@ -78,9 +79,10 @@ class DistRunner:
             raise
         transport = self.transport_for(self.rank)
         transport.all_actions = schedule.actions  # exact messages follow the senders' order
-        executor = RankExecutor(self.rank, schedule, stages, transport, checkpoint,
-                                fused_wgrad=fused_wgrad, autocast=autocast_state(),
-                                grads_done=grads_done)
+        cfg = self.cfg
+        executor = RankExecutor(self.rank, schedule, stages, transport, cfg.checkpoint,
+                                fused_wgrad=cfg.fused_wgrad, autocast=autocast_state(),
+                                gather_w=cfg.switches.gather_w, grads_done=grads_done)
         if recording is not None:
             dist.barrier(group=self.group)  # every rank's clock starts together
             executor.records = recording
@@ -195,7 +197,8 @@ class DistRunner:
         elif self.overlap:
             why_not = "overlap=True runs transfers on lanes; shared memory runs them inline"
         peers = neighbours(self.schedule.stage_to_rank, self.rank)
-        return connect(self.group, self.rank, self.schedule.ranks, peers, why_not, required=shm is True)
+        return connect(self.group, self.rank, self.schedule.ranks, peers, why_not, required=shm is True,
+                       size=self.cfg.switches.shm_bytes)
 
 
 def ranks_agree(settings: dict, problem: str | None, groups: Sequence[tuple[Any, str]]) -> None:

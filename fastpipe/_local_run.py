@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from fastpipe._args import Settings
 from fastpipe._ring_lanes import RingLanes
 from fastpipe.runtime.buffers import copy_slots
 from fastpipe.runtime.checkpoint import stochastic
@@ -31,33 +31,36 @@ __all__ = ["LocalRunner"]
 class LocalRunner:
     """Runs every rank of a schedule as a thread of this process.
 
+    Args:
+        cfg: the Pipe's settings; ``cfg.switches.copies`` forces the copy
+            path on CPUs, with host lanes (what the tests and the device
+            check's rehearsal use), ``cfg.switches.switch_interval`` sets the
+            GIL switch interval while several ranks run (``runtime/threads.py``).
+        training, inference: the lowered schedules (their receive-ring sizes).
+
     Attributes:
         copies: transfers are copies on each rank's copy lane into receive
             slots (GPUs); on CPUs tensors are handed over as they are, and a
             pipeline mixing CPUs and GPUs uses blocking ``.to()`` copies.
-            Setting it before the first step forces the copy path on CPUs,
-            with host lanes (what the tests and the device check's rehearsal do).
-        switch_interval: the GIL switch interval during a step with several
-            ranks; None leaves the interpreter's own (``runtime/threads.py``).
         memory: rank -> peak saved-activation bytes of the last step.
         input_grads: the first stage's input gradients of the last step.
     """
 
-    def __init__(self, ranks: int, devices: Sequence[torch.device], timeout: float, overlap: bool,
-                 wire: dict, training: Schedule, inference: Schedule) -> None:
+    def __init__(self, cfg: Settings, training: Schedule, inference: Schedule) -> None:
+        self.cfg = cfg
         self.ranks, self.devices, self.timeout, self.overlap, self.wire = (
-            ranks, devices, timeout, overlap, wire)
+            cfg.schedule.ranks, cfg.devices, cfg.timeout, cfg.overlap, cfg.wire)
         self._training, self._inference = training, inference  # lowered: receive-ring sizes
-        self.copies = all(d.type == "cuda" for d in devices)
-        self.switch_interval: float | None = None
-        self._lanes = RingLanes(timeout, overlap)
+        copies = cfg.switches.copies
+        self.copies = all(d.type == "cuda" for d in cfg.devices) if copies is None else copies
+        self._lanes = RingLanes(cfg.timeout, cfg.overlap)
         self.device_lanes = self._lanes.device_lanes  # rank -> CudaLanes, made once (until close())
         self.recv_rings: ReceiveRings | None = None
         self.memory: dict[int, int] = {}
         self.input_grads: dict[int, list[torch.Tensor]] = {}
 
     def run(self, schedule: Schedule, stages: dict[int, dict[int, Stage]], inputs, targets, loss_fn,
-            train: bool, checkpoint: str, fused_wgrad: bool, recording: list | None) -> dict[int, Any]:
+            train: bool, recording: list | None) -> dict[int, Any]:
         """One step (or inference pass) of every rank; the last stage's rank's results.
 
         Raises the first failure: the mailbox's first (the failing rank's
@@ -75,7 +78,8 @@ class LocalRunner:
         shared = schedule.ranks > 1 and any(
             stochastic(st.module, training_only=True)
             for held in stages.values() for st in held.values())
-        rng_lock = threading.Lock() if checkpoint != "never" or shared else None
+        cfg = self.cfg
+        rng_lock = threading.Lock() if cfg.checkpoint != "never" or shared else None
         rng_seed = int(torch.randint(0, 1 << 62, ()).item()) if shared else None
         last_rank = schedule.stage_to_rank[schedule.stages - 1]
         origin = time.perf_counter()
@@ -87,9 +91,10 @@ class LocalRunner:
             rank_lanes.enter_from_caller()
 
         def run_rank(rank: int):
-            executor = RankExecutor(rank, schedule, stages[rank], transports[rank], checkpoint,
-                                    rng_lock, keep_graphs=True, fused_wgrad=fused_wgrad,
-                                    autocast=amp, python_chains=False, rng_seed=rng_seed)
+            executor = RankExecutor(rank, schedule, stages[rank], transports[rank], cfg.checkpoint,
+                                    rng_lock, keep_graphs=True, fused_wgrad=cfg.fused_wgrad,
+                                    autocast=amp, python_chains=cfg.switches.chains == "python",
+                                    rng_seed=rng_seed, gather_w=cfg.switches.gather_w)
             if recording is not None:
                 executor.records, executor.origin = [], origin
             try:
@@ -103,7 +108,7 @@ class LocalRunner:
                 if executor.records is not None:
                     recording.extend(executor.records)  # list.extend is atomic
 
-        with switch_interval(self.switch_interval if schedule.ranks > 1 else None):
+        with switch_interval(cfg.switches.switch_interval if schedule.ranks > 1 else None):
             events = [self.ring.submit(r, with_caller_threads(lambda r=r: run_rank(r)))
                       for r in range(schedule.ranks)]
             outcomes = self._outcomes(events, mailbox, lanes)

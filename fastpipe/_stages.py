@@ -15,13 +15,13 @@ __all__ = ["build_stages", "changed_layer", "free_remote", "meta_problem", "to_m
 
 
 def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_rank: Sequence[int],
-                 ranks: Sequence[int], devices: Sequence[torch.device]
+                 ranks: Sequence[int], devices: Sequence[torch.device], chains: str = "on"
                  ) -> tuple[dict[int, dict[int, Stage]], str | None]:
     """``({rank: {stage: Stage}}, problem)`` for the ranks ``ranks`` (this
     process's), each stage's layers moved to its rank's device. A layer
     holding meta tensors (no data: released by an earlier ``free_remote``
     Pipe, or never materialized) is not moved; ``problem`` says which, for
-    the caller to raise on every rank."""
+    the caller to raise on every rank. ``chains``: as ``Stage.chains``."""
     problem = None
     stages: dict[int, dict[int, Stage]] = {}
     for rank in ranks:
@@ -34,7 +34,7 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
                 problem = found
                 continue
             part = nn.Sequential(*(layers[i] for i in ranges[s])).to(devices[rank])
-            held[s] = Stage(s, part, devices[rank])
+            held[s] = Stage(s, part, devices[rank], chains)
         stages[rank] = held
     return stages, problem
 

@@ -53,35 +53,21 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
 
     Supported: ``GPT2LMHeadModel``, and models whose config's
     ``base_model_pp_plan`` has the standard pieces (``embed_tokens``,
-    ``layers``, ``norm``) with a ``rotary_emb`` on the base model: the Llama
-    family, Qwen2, Mistral. Sliding-window layers (by ``config.layer_types``,
-    or every layer where ``config.sliding_window`` is set and there are no
-    layer types) get transformers' sliding-window mask.
-
-    The members hold the model's own modules: parameters are shared, not
-    copied, so an optimizer over ``model.parameters()`` trains the pipeline
-    and tied weights (``lm_head.weight is wte.weight``) stay tied. Only each
-    layer's rotary-embedding module is copied (it holds buffers only), so
-    stages on different devices share no module. Members keep transformers'
-    attribute names (``0.wte.weight``, ``1.layer.attn.c_attn.weight``, ...,
-    ``lm_head.weight`` in the last member); to save under transformers'
-    names, load a state dict into the Sequential, then call
-    ``model.save_pretrained``. Mixture-of-experts layers run as they are,
-    but no router auxiliary loss comes out: the output is the logits.
+    ``layers``, ``norm``) with a ``rotary_emb`` on the base model (Llama,
+    Qwen2, Mistral; sliding-window layers get transformers' own mask).
+    The members hold the model's own modules (each layer gets a copy of the
+    buffer-only rotary embedding): parameters are shared, ties stay ties,
+    names keep transformers' attributes (``0.wte.weight``, ...).
 
     Input: ``input_ids`` (batch, seq), or ``(input_ids, attention_mask)``
-    with a 0/1 mask of the same shape; padding is masked as the model's
-    own forward masks it (positions are ``0..seq-1`` either way, as there).
-    Output: logits (batch, seq, vocab). No key-value cache: this is for
-    training, not generation.
+    with a 0/1 mask; padding is masked as the model's own forward masks it.
+    Output: logits (batch, seq, vocab). ``docs/design/hf.md`` says how.
 
     Args:
         model: a transformers causal LM (``...ForCausalLM``, ``GPT2LMHeadModel``).
-        check: run the model and the Sequential once (eval mode, no grad) on
-            two sequences of 8 tokens, one of them padded, and refuse a
-            model whose forward does more than the standard pieces (e.g.
-            scaled embeddings, soft-capped logits). Skipped for parameters
-            on the meta device.
+        check: run the model and the Sequential once (eval mode, no grad)
+            and refuse a model whose forward does more than the standard
+            pieces (scaled embeddings, soft-capped logits); not on meta.
 
     Returns:
         The ``nn.Sequential``.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -13,11 +12,12 @@ from torch import nn
 
 from fastpipe import _args
 from fastpipe import _microbatch as mbatch
-from fastpipe._dist_run import DistRunner, ranks_agree
+from fastpipe._dist_run import DistRunner
 from fastpipe._local_run import LocalRunner
-from fastpipe._stages import build_stages, changed_layer, free_remote, meta_problem
-from fastpipe._ties import LocalTies, TiedGrads, check_local, find_ties
-from fastpipe.runtime.executor import LossFn, Stage, last_backward
+from fastpipe._outputs import backward_into_inputs, no_backward
+from fastpipe._placement import Placement
+from fastpipe._stages import changed_layer
+from fastpipe.runtime.executor import LossFn, Stage
 from fastpipe.schedules import Schedule, lower
 
 __all__ = ["Pipe"]
@@ -139,104 +139,37 @@ class Pipe(nn.Module):
         self.fused_wgrad, self.free_remote = cfg.fused_wgrad, cfg.free_remote
         self._lowered = lower(self.schedule)
         self._forward_only = lower(_args.forward_schedule(self.schedule))
-        self._set_up_stages(cfg)
+        self._place = Placement(model, cfg)
         if self.distributed:
-            self._check_ranks_agree()
-        elif self._problem is not None:
-            raise ValueError(self._problem)
+            self._place.check_ranks_agree()
+        elif self._place.problem is not None:
+            raise ValueError(self._place.problem)
         # Who runs a step: this process's rank (distributed), or every rank as a thread.
-        self._runner = (
-            DistRunner(cfg.group, cfg.rank, cfg.schedule, cfg.devices, cfg.timeout, cfg.overlap,
-                       cfg.wire, cfg.exact, cfg.shm) if self.distributed
-            else LocalRunner(cfg.schedule.ranks, cfg.devices, cfg.timeout, cfg.overlap, cfg.wire,
-                             self._lowered, self._forward_only))
+        self._runner = DistRunner(cfg) if self.distributed else LocalRunner(
+            cfg, self._lowered, self._forward_only)
         self.shm = self.distributed and self._runner.shm_link is not None
         self._grad_average = None  # GradAverage over dp_group, made with the stages
         # Replicas and tied copies are compared before the first step (and after a load).
         self._weights_checked = not self.distributed
         self._recording: list | None = None  # set by step_with_timeline
-        if self._stages is not None and cfg.free_remote:  # last: nothing above may fail after it
-            self._free_remote_layers()
+        if self._place.stages is not None and cfg.free_remote:  # last: nothing above may fail after it
+            self._place.free_remote()
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, self.schedule.ranks,
                  self.balance)
 
-    # --- set-up ----------------------------------------------------------------
+    @property
+    def balance(self) -> list[int] | None:
+        """Layers per stage (None with ``balance="auto"`` until the first step)."""
+        return self._place.balance
 
-    def _set_up_stages(self, cfg) -> None:
-        """Ties and stages, unless the balance waits for the first step ("auto")."""
-        self._ties: list = []  # parameters used by several stages (fastpipe._ties)
-        self._tied = None  # distributed: TiedGrads, when some tie spans ranks
-        self._local_ties = None  # local mode: LocalTies, when some tie spans ranks
-        if cfg.balance is not None:
-            self._find_ties(self.module, cfg.balance)
-        if cfg.recompute == "selective":  # changes the user's model in place: after every check
-            from fastpipe.kernels import selective_recompute
+    @property
+    def settings(self) -> _args.Settings:
+        """The arguments as checked and resolved, and the ``FASTPIPE_*`` switches read when built."""
+        return self._settings
 
-            selective_recompute(self.module)
-        self.balance = cfg.balance
-        self._problem: str | None = None  # set by _build_stages; raised on every rank
-        self._stages = None if cfg.balance is None else self._build_stages()
-
-    def _split_by_time(self, x: Any) -> None:
-        """balance="auto": profile on the first microbatch, then build the stages."""
-        from fastpipe.balance import balance_by_time
-
-        balance = None
-        holder = self._owner(0)
-        # The holder profiles every layer: it must hold them all (every rank raises, or none).
-        profiles = not self.distributed or self.rank == holder
-        mine = meta_problem(list(self.module), range(len(self.module))) if profiles else None
-        if self.distributed:
-            everyone: list = [None] * self.schedule.ranks
-            dist.all_gather_object(everyone, mine, group=self.group)
-            _args.raise_first(everyone)
-        elif mine is not None:
-            raise ValueError(mine)
-        if profiles:
-            balance = balance_by_time(self.schedule.stages, self.module, x, self.chunks,
-                                      self.devices[holder], schedule=self.schedule)
-        if self.distributed:
-            box = [balance]
-            src = dist.get_global_rank(self.group, holder) if self.group is not None else holder
-            dist.broadcast_object_list(box, src=src, group=self.group)
-            if self.dp_group is not None:  # every replica takes the first one's split
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp_group, 0),
-                                           group=self.dp_group)
-            balance = box[0]
-        self.balance = _args.resolve_balance(balance, self.module, self.schedule.stages)
-        self._find_ties(self.module, self.balance)
-        self._stages = self._build_stages()
-        if self.distributed:  # every rank raises, or none
-            everyone: list = [None] * self.schedule.ranks
-            dist.all_gather_object(everyone, self._problem, group=self.group)
-            _args.raise_first(everyone)
-        elif self._problem is not None:
-            raise ValueError(self._problem)
-        if self.free_remote:
-            self._free_remote_layers()
-        log.info("pipe: balance by time %s", self.balance)
-
-    def _check_ranks_agree(self) -> None:
-        """One small collective: every rank must have built the same pipeline.
-
-        Raises (on every rank):
-            ValueError: naming the first setting that differs and each rank's value.
-        """
-        mine = {
-            "layers": len(self.module), "chunks": self.chunks, "schedule": self.schedule.name,
-            "stages": self.schedule.stages, "placement": tuple(self.schedule.stage_to_rank),
-            "balance": "auto" if self.balance is None else tuple(self.balance),
-            "checkpoint": self.checkpoint, "recompute": self.recompute,
-            "wire_dtype": str(self._settings.wire["F"]), "grad_wire_dtype": str(self._settings.wire["B"]),
-            "exact messages": self._settings.exact,  # tags or order: both ends must agree
-            "shm": self._settings.shm,  # the rings are set up collectively: every rank must take part
-            # Summed after every step by all ranks together (fastpipe._ties).
-            "tied parameters": tuple((t.name, t.stages) for t in self._ties),
-        }
-        groups = [(self.group, "pipeline ranks")]
-        if self.dp_group is not None:
-            groups.append((self.dp_group, "data-parallel replicas"))
-        ranks_agree(mine, self._problem, groups)
+    @property
+    def _stages(self) -> dict[int, dict[int, Stage]] | None:
+        return self._place.stages
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """Bytes per pipeline rank held by this process, as the executor accounts them.
@@ -249,7 +182,7 @@ class Pipe(nn.Module):
             are saved and freed microbatch by microbatch), and their sum.
         """
         out = {}
-        for rank in self._local_ranks():
+        for rank in self._place.ranks():
             # Once each: stages of one rank may share a parameter.
             params = list({id(p): p for st in (self._stages or {}).get(rank, {}).values()
                            for p in st.module.parameters()}.values())
@@ -259,42 +192,6 @@ class Pipe(nn.Module):
             out[rank] = {"params": p_bytes, "grads": g_bytes, "activations_peak": act,
                          "peak": p_bytes + g_bytes + act}
         return out
-
-    def _local_ranks(self) -> list[int]:
-        return list(range(self.schedule.ranks)) if not self.distributed else [self.rank]
-
-    def _layer_ranges(self) -> list[range]:
-        """The model's layer indices of each stage."""
-        return _args.ranges(self.balance)
-
-    def _find_ties(self, model: nn.Sequential, balance: list[int]) -> None:
-        """Parameters that layers of several stages use (``fastpipe._ties``):
-        in local mode checked here (one module run by two ranks is refused)
-        and given replicas with the stages; in distributed mode summed
-        across ranks after each step."""
-        self._ties = find_ties(model, _args.ranges(balance), self.schedule.stage_to_rank)
-        if not self.distributed:
-            check_local(self._ties, model, _args.ranges(balance), self.schedule.stage_to_rank)
-            return
-        across = [t for t in self._ties if len(t.ranks) > 1]
-        tied = TiedGrads(across, self.rank, self.devices[self.rank], self.group)
-        self._tied = tied if tied else None
-
-    def _build_stages(self) -> dict[int, dict[int, Stage]]:
-        """This process's stages (``fastpipe._stages``); ``self._problem`` says
-        what is wrong with one, for the caller to raise on every rank."""
-        stages, self._problem = build_stages(list(self.module), self._layer_ranges(),
-                                             self.schedule.stage_to_rank, self._local_ranks(),
-                                             self.devices)
-        self._layers = tuple(self.module)  # what the stages hold: see _split_inputs
-        across = [t for t in self._ties if len(t.ranks) > 1]
-        if not self.distributed and across and self._problem is None:
-            self._local_ties = LocalTies(across, stages, self.devices)
-        return stages
-
-    def _free_remote_layers(self) -> None:
-        mine = [s for s, owner in enumerate(self.schedule.stage_to_rank) if owner == self.rank]
-        free_remote(list(self.module), self._layer_ranges(), mine)
 
     def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
         """One training step: forward and backward of every microbatch.
@@ -317,34 +214,35 @@ class Pipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if self._stages is None:
-            self._split_by_time(x)
+            self._place.split_by_time(x)
         if not self._weights_checked:
-            self._check_weights()
+            self._place.check_weights()
+            self._weights_checked = True
         inputs, targets, refused = self._split_inputs(x, target)
-        self._runner.input_grads = {}
-        tied = self._tied
-        average = self._averager()
-        averaging = False
+        tied = self._place.tied
+        if self.dp_group is not None and self._grad_average is None:
+            self._grad_average = self._place.grad_average(self._lowered)
+        average, averaging = self._grad_average, False
         if tied is not None:
             tied.begin()  # .grad of parameters tied across ranks: this step's share only
         if average is not None:
             average.begin()
         try:
+            self._runner.input_grads = {}
             try:
-                results = self._run(self._lowered, inputs, targets, loss_fn, train=True,
-                                    refuse=refused)
+                results = self._run(self._lowered, inputs, targets, loss_fn, train=True, refuse=refused)
                 grads = self._runner.input_grads
             finally:
                 self._runner.input_grads = {}  # a failed step's are dropped
             loss = self._mean_loss(results)  # first: peers wait for it in distributed mode
             if grads:
-                _backward_into_inputs(x, grads, self.chunks)
-            if tied is not None:
+                backward_into_inputs(x, grads, self.chunks)
+            if tied is not None or average is not None:
                 self._runner.finish_loss_broadcast()
+            if tied is not None:
                 tied.reduce()
             if average is not None:
                 averaging = True
-                self._runner.finish_loss_broadcast()
                 loss = average.average(loss)
         except BaseException as exc:
             if tied is not None:
@@ -379,49 +277,6 @@ class Pipe(nn.Module):
             records = [r for part in gathered for r in part]
         return loss, measured(self._lowered, records)
 
-    def _averager(self):
-        """The data-parallel averaging of this rank's gradients (made with the stages), or None."""
-        if self.dp_group is None:
-            return None
-        if self._grad_average is None:
-            from fastpipe._data_parallel import GradAverage
-
-            stages = {i: list(st.module.parameters()) for i, st in self._stages[self.rank].items()}
-            done = last_backward(self._lowered.actions[self.rank])
-            late = {id(t.param) for t in self._tied.ties} if self._tied is not None else set()
-            self._grad_average = GradAverage(stages, sorted(stages, key=done.__getitem__), late,
-                                             self.dp_group, self.devices[self.rank])
-        return self._grad_average
-
-    def _check_weights(self) -> None:
-        """Before the first step (and the first after a load): copies of one
-        tensor on several ranks (a parameter tied across ranks; a rank's
-        stages across data-parallel replicas) must hold the same values.
-        Collective over the pipeline group and the dp group; every rank
-        raises, or none.
-
-        Raises:
-            ValueError: naming the tensor and the ranks, and how to fix it.
-        """
-        from fastpipe._data_parallel import check_weights
-        from fastpipe._state import held_state_dict
-
-        tied = self._tied.ties if self._tied is not None else []
-        held = held_state_dict(self.module, self._held_layers(), keep_vars=True) \
-            if self.dp_group is not None else {}
-        check_weights(tied, self.rank, held, self.group, self.dp_group, self.devices[self.rank])
-        self._weights_checked = True
-
-    def _held_layers(self) -> list[int]:
-        """The model's layer indices this process runs (every layer in local mode)."""
-        if not self.distributed:
-            return list(range(len(self.module)))
-        if self._stages is None:
-            raise RuntimeError("with balance='auto' the split is made at the first step: "
-                               "call step (or forward) before state_dict or load_state_dict")
-        ranges = self._layer_ranges()
-        return [i for s in sorted(self._stages[self.rank]) for i in ranges[s]]
-
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The entries of the stages this process holds (every stage in local
         mode), under the names ``model.state_dict()`` gives them, buffers
@@ -441,7 +296,7 @@ class Pipe(nn.Module):
                             "(destination=, prefix=, keep_vars=)")
         from fastpipe._state import held_state_dict
 
-        return held_state_dict(self.module, self._held_layers(), destination, prefix, keep_vars)
+        return held_state_dict(self.module, self._place.held_layers(), destination, prefix, keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads the entries of the stages this process holds from
@@ -459,7 +314,7 @@ class Pipe(nn.Module):
         """
         from fastpipe._state import load_held
 
-        result = load_held(self.module, self._held_layers(), state_dict, strict, assign)
+        result = load_held(self.module, self._place.held_layers(), state_dict, strict, assign)
         self._weights_checked = not self.distributed  # compared again before the next step
         return result
 
@@ -469,19 +324,11 @@ class Pipe(nn.Module):
         steps and checkpoints (build it over ``pipe.parameters()``). With
         ``balance="auto"`` in distributed mode the split is made at the first
         step; before it, every parameter of the model."""
-        yield from self._held(self.module.named_parameters(prefix, recurse, remove_duplicate))
+        yield from self._place.held(self.module.named_parameters(prefix, recurse, remove_duplicate))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The buffers of the stages this process holds, as ``named_parameters``."""
-        yield from self._held(self.module.named_buffers(prefix, recurse, remove_duplicate))
-
-    def _held(self, named):
-        if not self.distributed or self._stages is None:
-            yield from named
-            return
-        held = {id(t) for st in self._stages[self.rank].values()
-                for t in itertools.chain(st.module.parameters(), st.module.buffers())}
-        yield from ((name, t) for name, t in named if id(t) in held)
+        yield from self._place.held(self.module.named_buffers(prefix, recurse, remove_duplicate))
 
     def _fqn_modifiers(self) -> dict[str, str]:
         # torch.distributed.checkpoint.state_dict names entries by walking the
@@ -517,15 +364,12 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if self._stages is None:
             raise RuntimeError("clip_grad_norm_ needs the stages: with balance='auto' call step first")
-        held = {id(p): p for st in self._stages.get(self.rank, {}).values()
-                for p in st.module.parameters()} if self.distributed else \
-            {id(p): p for p in self.module.parameters()}
-        scaled = list(held.values())
+        scaled = self._place.held_parameters()
         if not self.distributed:
             return clip_grad_norm(scaled, scaled, max_norm, norm_type, error_if_nonfinite, foreach,
                                   None, None)
         # A tied parameter is held by each rank that uses it: the first one counts it.
-        elsewhere = {id(t.param) for t in self._ties if t.ranks[0] != self.rank}
+        elsewhere = {id(t.param) for t in self._place.ties if t.ranks[0] != self.rank}
         counted = [p for p in scaled if id(p) not in elsewhere]
         self._runner.finish_loss_broadcast()
         return clip_grad_norm(counted, scaled, max_norm, norm_type, error_if_nonfinite, foreach,
@@ -544,7 +388,7 @@ class Pipe(nn.Module):
         """
         self._check_not_broken()
         if self._stages is None:
-            self._split_by_time(x)
+            self._place.split_by_time(x)
         inputs, _, refused = self._split_inputs(x, None)
         results = self._run(self._forward_only, inputs, None, None, train=False, refuse=refused)
         if not results:
@@ -553,11 +397,8 @@ class Pipe(nn.Module):
         trained = next((p for p in self.module.parameters() if p.requires_grad and not p.is_meta),
                        None)
         if torch.is_grad_enabled() and trained is not None:
-            out = _no_backward(out, trained)
+            out = no_backward(out, trained)
         return out
-
-    def _owner(self, stage: int) -> int:
-        return self.schedule.stage_to_rank[stage]
 
     def __reduce_ex__(self, protocol):
         # copy.deepcopy and pickle land here: a copy would share or lose the
@@ -580,7 +421,7 @@ class Pipe(nn.Module):
         distributed mode the error comes back third, for ``_run`` to fail
         the step with on every rank."""
         try:
-            changed = changed_layer(tuple(self.module), self._layers)
+            changed = changed_layer(tuple(self.module), self._place.layers)
             if changed is not None:
                 raise ValueError(changed)
             return (*self._split(x, target), None)
@@ -590,8 +431,9 @@ class Pipe(nn.Module):
             return None, None, exc
 
     def _split(self, x: Any, target: Any):
-        holds_first = not self.distributed or self.rank == self._owner(0)
-        holds_last = not self.distributed or self.rank == self._owner(self.schedule.stages - 1)
+        owners = self.schedule.stage_to_rank
+        holds_first = not self.distributed or self.rank == owners[0]
+        holds_last = not self.distributed or self.rank == owners[-1]
         inputs = _args.named_split("x", x, self.chunks) if holds_first else None
         targets = None
         if target is not None and holds_last:
@@ -608,15 +450,15 @@ class Pipe(nn.Module):
         if self.distributed:
             average = self._grad_average if train else None
             return self._runner.run(schedule, self._stages[self.rank], inputs, targets, loss_fn, train,
-                                    refuse, self.checkpoint, self.fused_wgrad, self._recording,
+                                    refuse, self._recording,
                                     average.stage_done if average is not None else None)
-        ties = self._local_ties
+        ties = self._place.local_ties
         if ties is None:
             return self._runner.run(schedule, self._stages, inputs, targets, loss_fn, train,
-                                    self.checkpoint, self.fused_wgrad, self._recording)
+                                    self._recording)
         with ties.swapped():  # replicas of parameters tied across ranks, for this call
             results = self._runner.run(schedule, self._stages, inputs, targets, loss_fn, train,
-                                       self.checkpoint, self.fused_wgrad, self._recording)
+                                       self._recording)
             if train:
                 ties.gather()
             return results
@@ -636,40 +478,3 @@ class Pipe(nn.Module):
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "
                 f"checkpoint={self.checkpoint!r}")
-
-
-class _InferenceOnly(torch.autograd.Function):
-    """Marks ``pipe(x)``'s output as one autograd cannot go back through:
-    in grad mode it requires grad, as a module's output would, and a
-    backward through it says what to call instead of torch's "does not
-    require grad"."""
-
-    @staticmethod
-    def forward(ctx, x, parameter):  # the parameter makes autograd track the output
-        return x.detach()  # not a view: in-place ops on the output stay allowed
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(
-            "the output of pipe(x) has no graph: Pipe.forward runs the microbatches without "
-            "autograd; train with loss = pipe.step(x, target, loss_fn), which runs the "
-            "backward of every microbatch")
-
-
-def _no_backward(value: Any, parameter: torch.Tensor) -> Any:
-    if isinstance(value, tuple):
-        return tuple(_no_backward(v, parameter) for v in value)
-    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
-        return _InferenceOnly.apply(value, parameter)
-    return value
-
-
-def _backward_into_inputs(x: Any, grads: dict[int, list[torch.Tensor]], chunks: int) -> None:
-    """Carries the first stage's input gradients into the caller's tensors:
-    one backward for the whole batch (into ``x.grad`` for a leaf, on
-    through the graph that made ``x`` otherwise), as ``loss.backward()``
-    on the unsplit model does."""
-    wanting = [t for t in (x if isinstance(x, tuple) else (x,)) if t.requires_grad]
-    whole = [torch.cat([grads[mb][i] for mb in range(chunks)]).to(t.device)
-             for i, t in enumerate(wanting)]
-    torch.autograd.backward(wanting, whole)

@@ -15,14 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-import fastpipe._local_run as local_run
 from fastpipe import Pipe
+from fastpipe._args import Switches, switches
 from fastpipe._ext import native_chain
-from fastpipe.runtime import chain as chain_module
 from fastpipe.runtime import deferred
-from fastpipe.runtime import executor as executor_module
 from fastpipe.runtime.chain import Chain
-from fastpipe.schedules import build, names
+from fastpipe.schedules import names
 
 # Both ways of running a chain; the native one must be built where the suite runs.
 NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="python")]
@@ -215,16 +213,9 @@ def chains(monkeypatch):
 
     monkeypatch.setattr(Chain, "forward", counted)
 
-    def make(*args, **kwargs):
-        return executor_module.RankExecutor(*args, **{**kwargs, "python_chains": True})
-
     def set_mode(mode: str, gather: bool = False) -> list:
-        monkeypatch.setattr(executor_module, "chains_enabled", lambda: mode != "eager")
-        monkeypatch.setattr(executor_module, "chain_gathering", lambda: gather)
-        monkeypatch.setattr(chain_module, "native_chain",
-                            native_chain if mode == "native" else lambda: None)
-        monkeypatch.setattr(local_run, "RankExecutor",
-                            make if mode == "python" else executor_module.RankExecutor)
+        monkeypatch.setenv("FASTPIPE_CHAIN", {"eager": "0", "python": "python", "native": "1"}[mode])
+        monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "1" if gather else "0")
         calls.clear()
         return calls
 
@@ -292,12 +283,24 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
         assert torch.equal(a, b)  # the same ops, in order (fp64: one GELU kernel)
 
 
-def test_gathering_is_on_unless_the_environment_says_0(monkeypatch):
-    monkeypatch.delenv("FASTPIPE_CHAIN_GATHER", raising=False)
-    assert chain_module.gathering()
+def test_switches_are_read_from_the_environment_when_a_pipe_is_built(monkeypatch):
+    for name in ("FASTPIPE_CHAIN", "FASTPIPE_CHAIN_GATHER", "FASTPIPE_COPY_LANES",
+                 "FASTPIPE_SWITCH_INTERVAL", "FASTPIPE_SHM_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    assert switches() == Switches(chains="on", gather_w=True, shm_bytes="", copies=None,
+                                  switch_interval=None)
     monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")
-    assert not chain_module.gathering()
-    assert not executor_module.RankExecutor(0, build("gpipe", 1, 1), {}, None).gather_w
+    monkeypatch.setenv("FASTPIPE_CHAIN", "python")
+    pipe = Pipe(chain_model(), chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+    monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "1")  # read once: this Pipe keeps what it read
+    assert not pipe.settings.switches.gather_w and pipe.settings.switches.chains == "python"
+    assert all(not st.chain.native for held in pipe._stages.values() for st in held.values())
+    for name, value in (("FASTPIPE_CHAIN", "yes"), ("FASTPIPE_SWITCH_INTERVAL", "-1"),
+                        ("FASTPIPE_SWITCH_INTERVAL", "soon")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name} must be .*got '{value}'"):
+            Pipe(chain_model(), chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+        monkeypatch.delenv(name)
 
 
 def test_gathered_w_is_on_the_timeline(chains):

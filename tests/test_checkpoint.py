@@ -8,7 +8,6 @@ from torch import nn
 
 import fastpipe
 from fastpipe import Pipe
-from fastpipe.runtime import executor as executor_module
 from fastpipe.runtime.checkpoint import checkpointed
 from fastpipe.runtime.executor import RankExecutor, Stage
 from fastpipe.runtime.transport import LocalTransport, Mailbox
@@ -40,7 +39,7 @@ def _grads(model_fn, schedule, checkpoint, ranks=2, chunks=4, seed=None):
 def test_grads_equal_the_unchekpointed_run_exactly(schedule, mode, model_fn, monkeypatch):
     # Checkpointed microbatches run through autograd, whose W adds one
     # microbatch at a time: so does the chain run compared with, here.
-    monkeypatch.setattr(executor_module, "chain_gathering", lambda: False)
+    monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")
     loss, grads = _grads(model_fn, schedule, "never")
     ck_loss, ck_grads = _grads(model_fn, schedule, mode)
     assert torch.equal(loss, ck_loss)
@@ -73,7 +72,7 @@ def test_seeded_dropout_repeats_across_local_ranks(schedule, monkeypatch):
     the same masks whatever order they ran in (three runs alike, bit for
     bit), with and without checkpointing, and as GPipe's order draws them
     (each forward has its own seed)."""
-    monkeypatch.setattr(executor_module, "chain_gathering", lambda: False)  # as above
+    monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")  # as above
     runs = [_grads(_dropout_model, schedule, mode, seed=11) for mode in ("never",) * 3 + ("always",)]
     if schedule != "zbv":  # the same two stages: masks do not depend on the order either
         runs.append(_grads(_dropout_model, "gpipe", "never", seed=11))

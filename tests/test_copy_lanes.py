@@ -23,6 +23,7 @@ from fastpipe.runtime.buffers import BufferRing, copy_slots, last_use
 from fastpipe.schedules import Kind, build, lower, names
 from tests.models import (embedding_model, gpt, gpt_batch, lm_loss, mlp, reference, tied_embedding_model,
                           tuple_model)
+from bench._runner import switched
 from tests.support import FailsOnce
 
 F = nn.functional
@@ -30,9 +31,10 @@ SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 
 
 def _pipe(model, schedule, ranks, chunks, **kw) -> Pipe:
-    pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=["cpu"] * ranks,
-                stages_per_rank=SPR.get(schedule), **kw)
-    pipe._runner.copies = True  # the GPU path, on host lanes
+    with switched(copy_lanes="1"):  # the GPU path, on host lanes
+        pipe = Pipe(model, chunks=chunks, schedule=schedule, devices=["cpu"] * ranks,
+                    stages_per_rank=SPR.get(schedule), **kw)
+    assert pipe._runner.copies
     return pipe
 
 

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.runtime.chain import enabled as chains_enabled
 from fastpipe.schedules import names
 from tests.models import (amp_model, amp_reference, embedding_model, mlp, reference, tied_embedding_model,
                           tied_mlp, tuple_model)
@@ -84,7 +83,7 @@ def test_parameter_shared_by_stages_of_one_rank(schedule, fused):
     pipe = Pipe(model, chunks=4, schedule=schedule, balance=balance, devices=["cpu"] * 2,
                 stages_per_rank=2, fused_wgrad=fused)
     try:
-        if chains_enabled():  # both stages of the tie run as chains (Linear and Tanh only)
+        if pipe.settings.switches.chains != "off":  # both stages of the tie run as chains (Linear and Tanh only)
             assert all(st.chain is not None for st in pipe._stages[0].values())
         for step in range(2):  # the second step accumulates onto the first's .grad
             loss = pipe.step(x, y, F.mse_loss)
@@ -346,11 +345,12 @@ def test_a_step_leaves_no_reference_cycles(schedule, copies, monkeypatch):
     import gc
 
     monkeypatch.setenv("FASTPIPE_CHAIN", "0")  # autograd's path, as on a GPU
+    monkeypatch.setenv("FASTPIPE_COPY_LANES", "1" if copies else "0")  # 1: the GPU's copy path, on host lanes
     torch.manual_seed(0)
     x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
     pipe = Pipe(mlp(depth=8), chunks=4, schedule=schedule, devices=["cpu"] * 2,
                 stages_per_rank=SPR.get(schedule))
-    pipe._runner.copies = copies  # True: the GPU's copy path, on host lanes
+    assert pipe._runner.copies == copies
     try:
         for _ in range(2):
             pipe.step(x, y, F.mse_loss)
@@ -369,7 +369,7 @@ def test_a_step_leaves_no_reference_cycles(schedule, copies, monkeypatch):
 
 
 def test_a_local_step_can_run_under_a_shorter_switch_interval(monkeypatch):
-    """LocalRunner.switch_interval (a measured lead, off by default) applies only
+    """FASTPIPE_SWITCH_INTERVAL (a measured lead, off by default) applies only
     while the ranks run, and the interpreter's own value is back afterwards."""
     import sys
 
@@ -385,16 +385,19 @@ def test_a_local_step_can_run_under_a_shorter_switch_interval(monkeypatch):
     monkeypatch.setattr("fastpipe._local_run.switch_interval", spy)
     default = sys.getswitchinterval()
     x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
-    pipe = Pipe(mlp(depth=6), chunks=2, schedule="1f1b", devices=["cpu"] * 2)
-    try:
-        assert pipe._runner.switch_interval is None
-        pipe.step(x, y, F.mse_loss)
-        pipe._runner.switch_interval = threads.SHORT_SWITCH_INTERVAL
-        inside = []
-        pipe._stages[0][0].module.register_forward_hook(lambda *a: inside.append(sys.getswitchinterval()))
-        pipe.step(x, y, F.mse_loss)
-    finally:
-        pipe.close()
+    inside = []
+    for interval in (None, threads.SHORT_SWITCH_INTERVAL):
+        if interval is not None:
+            monkeypatch.setenv("FASTPIPE_SWITCH_INTERVAL", str(interval))
+        pipe = Pipe(mlp(depth=6), chunks=2, schedule="1f1b", devices=["cpu"] * 2)
+        try:
+            assert pipe.settings.switches.switch_interval == interval
+            if interval is not None:
+                pipe._stages[0][0].module.register_forward_hook(
+                    lambda *a: inside.append(sys.getswitchinterval()))
+            pipe.step(x, y, F.mse_loss)
+        finally:
+            pipe.close()
     assert seen == [None, threads.SHORT_SWITCH_INTERVAL]
     assert inside and all(abs(v - threads.SHORT_SWITCH_INTERVAL) < 1e-6 for v in inside)
     assert sys.getswitchinterval() == default

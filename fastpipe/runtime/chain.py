@@ -19,7 +19,7 @@ weight-gradient work (``fastpipe.runtime.deferred``), as for any other stage.
 :meth:`Chain.ready` (once a step) and :meth:`Chain.accepts` (per
 microbatch) send the stage down the eager path wherever a chain could differ
 from autograd; the executor keeps eager for autocast and checkpointing.
-``FASTPIPE_CHAIN=0`` turns chains off; ``fastpipe._chain``
+``FASTPIPE_CHAIN=0`` turns chains off (``Stage.chains``); ``fastpipe._chain``
 (``csrc/chain/chain.cpp``) runs them without the GIL where it was built, and
 the ops are issued from Python otherwise.
 
@@ -29,18 +29,17 @@ Why: on narrow layers a stage's time is framework overhead, not arithmetic
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 
 from fastpipe._ext import native_chain
 from fastpipe.runtime import deferred
+from fastpipe.runtime.eager_checks import global_hooks, graph_modes, module_hooked, originals, param_hooked, patched
 
-__all__ = ["Chain", "enabled", "gathering"]
+__all__ = ["Chain"]
 
 _aten = torch.ops.aten
 
@@ -49,33 +48,12 @@ _LINEAR, _GELU, _SILU, _RELU, _TANH, _SIGMOID = range(6)
 _KINDS = {nn.Linear: _LINEAR, nn.GELU: _GELU, nn.SiLU: _SILU, nn.ReLU: _RELU, nn.Tanh: _TANH,
           nn.Sigmoid: _SIGMOID}
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 # What eager calls, as it was at import: a layer's forward, nn.Module's call,
 # the functions those forwards call. Patched (by a quantization library, a
 # test, a profiler), the eager path is what runs the patch.
-_ORIGINALS = [(cls, "forward", cls.forward) for cls in _KINDS] + [
-    (nn.Module, "__call__", nn.Module.__call__), (nn.Module, "_call_impl", nn.Module._call_impl),
-    (F, "linear", F.linear), (F, "gelu", F.gelu), (F, "silu", F.silu), (F, "relu", F.relu),
-    (torch, "relu", torch.relu), (torch, "tanh", torch.tanh), (torch, "sigmoid", torch.sigmoid),
-]
-
-
-def _patched() -> bool:
-    return any(getattr(owner, name) is not original for owner, name, original in _ORIGINALS)
-
-
-def enabled() -> bool:
-    """Chains are on unless ``FASTPIPE_CHAIN=0`` (read when a stage is built)."""
-    return os.environ.get("FASTPIPE_CHAIN", "1") != "0"
-
-
-def gathering() -> bool:
-    """W of several microbatches in one GEMM, fused into ``.grad``
-    (``deferred.WeightQueue``), unless ``FASTPIPE_CHAIN_GATHER=0`` (read at
-    the start of every step): then each W runs at once, with autograd's
-    rounding."""
-    return os.environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0"
+_ORIGINALS = originals([(cls, "forward") for cls in _KINDS] + [
+    (nn.Module, "__call__"), (nn.Module, "_call_impl"), (F, "linear"), (F, "gelu"), (F, "silu"),
+    (F, "relu"), (torch, "relu"), (torch, "tanh"), (torch, "sigmoid")])
 
 
 class Chain:
@@ -174,17 +152,10 @@ class Chain:
         contiguous, with ``.grad`` None or alike. Then binds the native
         program to the layers as they are (``unbind`` drops it)."""
         self.unbind()
-        if any(getattr(_module, name) for name in _GLOBAL_HOOKS) or _patched():
+        if global_hooks() or patched(_ORIGINALS) or graph_modes():
             return False
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        if any(module_hooked(m) for m in self._modules):
             return False
-        if torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
-            return False  # a mode (FlopCounterMode, fake tensors ...) sees eager's ops
-        if torch.is_anomaly_enabled():
-            return False  # anomaly mode checks each backward node's outputs
-        for m in self._modules:
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                return False
         for c, layers in self._layout:
             if tuple(c._modules.values()) != layers:
                 return False
@@ -206,7 +177,7 @@ class Chain:
                     or p.dtype != dtype or not p.is_cpu or not p.is_contiguous() \
                     or p.layout != torch.strided:
                 return False
-            if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks is not None):
+            if p.requires_grad and param_hooked(p):
                 return False
             g = p.grad
             if g is not None and (g.dtype != dtype or not g.is_cpu or g.shape != p.shape

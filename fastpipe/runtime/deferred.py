@@ -61,6 +61,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from fastpipe._ext import native_chain
 from fastpipe.runtime._backward import Root, backward_full, filled, run_backward
+from fastpipe.runtime.eager_checks import param_hooked
 
 __all__ = [
     "EmbeddingRule", "Entry", "LayerNormRule", "LinearRule", "Pending", "RMSNormRule", "WeightQueue",
@@ -434,8 +435,7 @@ class _Forward:
         # for this call, under local ties), not whatever the module holds later.
         targets = tuple(p if p is not None and p.requires_grad else None for p in params)
         ok = any(t is not None for t in targets) and self.rule.accepts(self.module) and not any(
-            p._backward_hooks or p._post_accumulate_grad_hooks is not None
-            for p in targets if p is not None)
+            param_hooked(p) for p in targets if p is not None)
         detached = tuple(p.detach() if p is not None else None for p in params) if ok else None
         return [params, targets, detached, _UNSET]
 

@@ -38,8 +38,6 @@ from fastpipe._microbatch import Value, needs_grad
 from fastpipe.runtime import deferred
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.chain import Chain
-from fastpipe.runtime.chain import enabled as chains_enabled
-from fastpipe.runtime.chain import gathering as chain_gathering
 from fastpipe.runtime.losses import known_loss
 from fastpipe.runtime.checkpoint import stochastic
 from fastpipe.runtime.memory import SavedBytes
@@ -62,6 +60,10 @@ class Stage:
     index: int
     module: nn.Sequential
     device: torch.device
+    # "on": the layers as a Chain where they all are ones it knows (native
+    # where fastpipe._chain is built); "python": its ops issued from Python;
+    # "off": autograd (``Switches.chains``).
+    chains: str = "on"
     params: list[torch.Tensor] = field(init=False)
 
     stochastic: bool = field(init=False)  # holds dropout-like layers
@@ -77,7 +79,7 @@ class Stage:
     def __post_init__(self) -> None:
         self.refresh()
         self.stochastic = stochastic(self.module)
-        self.chain = Chain.of(self.module) if chains_enabled() else None
+        self.chain = None if self.chains == "off" else Chain.of(self.module, self.chains == "on")
 
     def refresh(self) -> None:
         """Re-reads the parameters, after a module's entries changed (local
@@ -130,6 +132,9 @@ class RankExecutor(StageCompute):
             its generator seeded from it and its (stage, microbatch)
             (``checkpoint.seeded``), so ``torch.manual_seed`` makes a step
             repeat whatever order the ranks' threads ran in.
+        gather_w: deferred W of several microbatches gathered into one GEMM
+            per layer, fused into ``.grad`` (``deferred.WeightQueue``); False
+            runs each W at once, with autograd's rounding.
         grads_done: training: called with a stage's index once its step's
             gradients are all in ``.grad`` (after its last B or W, its
             gathered W work run at once), while the rank goes on with its
@@ -149,12 +154,13 @@ class RankExecutor(StageCompute):
         autocast: tuple[Autocast, bool] = ((), True),
         python_chains: bool = True,
         rng_seed: int | None = None,
+        gather_w: bool = True,
         grads_done: Callable[[int], None] | None = None,
     ) -> None:
         self.rank = rank
         self.grads_done = grads_done
         self.python_chains = python_chains
-        self.gather_w = chain_gathering()  # W gathered over microbatches, fused into .grad
+        self.gather_w = gather_w
         self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock

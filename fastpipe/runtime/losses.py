@@ -27,21 +27,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
+
+from fastpipe.runtime.eager_checks import global_hooks, module_hooked, originals, patched
 
 __all__ = ["KnownLoss", "known_loss"]
 
 _aten = torch.ops.aten
 _REDUCTIONS = {"mean": 1, "sum": 2}  # at::Reduction
 # What a known loss calls, as it was at import (a patch is the user's to run).
-_ORIGINALS = [(F, "mse_loss", F.mse_loss), (F, "cross_entropy", F.cross_entropy),
-              (nn.MSELoss, "forward", nn.MSELoss.forward),
-              (nn.CrossEntropyLoss, "forward", nn.CrossEntropyLoss.forward),
-              (nn.Module, "__call__", nn.Module.__call__),
-              (nn.Module, "_call_impl", nn.Module._call_impl)]
+_ORIGINALS = originals([(F, "mse_loss"), (F, "cross_entropy"), (nn.MSELoss, "forward"),
+                        (nn.CrossEntropyLoss, "forward"), (nn.Module, "__call__"),
+                        (nn.Module, "_call_impl")])
 _MSE_FN, _CE_FN = F.mse_loss, F.cross_entropy
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 
 
 class KnownLoss:
@@ -82,7 +79,7 @@ def known_loss(loss_fn: Callable | None) -> KnownLoss | None:
     """The KnownLoss ``loss_fn`` is, or None. Checked once a step, with the
     chain's own checks (no torch function or dispatch mode, no anomaly
     mode), which the executor requires of the last stage first."""
-    if loss_fn is None or any(getattr(o, n) is not f for o, n, f in _ORIGINALS):
+    if loss_fn is None or patched(_ORIGINALS):
         return None
     if loss_fn is _MSE_FN:
         return KnownLoss("mse", "mean")
@@ -91,9 +88,8 @@ def known_loss(loss_fn: Callable | None) -> KnownLoss | None:
     t = type(loss_fn)
     if t is not nn.MSELoss and t is not nn.CrossEntropyLoss:
         return None
-    if loss_fn._forward_hooks or loss_fn._forward_pre_hooks or loss_fn._backward_hooks \
-            or loss_fn._backward_pre_hooks or any(getattr(_module, n) for n in _GLOBAL_HOOKS) \
-            or "forward" in loss_fn.__dict__ or loss_fn.reduction not in _REDUCTIONS:
+    if module_hooked(loss_fn) or global_hooks() or "forward" in loss_fn.__dict__ \
+            or loss_fn.reduction not in _REDUCTIONS:
         return None
     if t is nn.MSELoss:
         return KnownLoss("mse", loss_fn.reduction)

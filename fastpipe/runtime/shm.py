@@ -108,13 +108,16 @@ def neighbours(stage_to_rank: Sequence[int], rank: int) -> set[int]:
 
 
 def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Iterable[int],
-            why_not: str | None, required: bool) -> tuple[object, dict[int, int], dict[int, int]] | None:
+            why_not: str | None, required: bool, size: str = ""
+            ) -> tuple[object, dict[int, int], dict[int, int]] | None:
     """Sets up this rank's rings to and from ``peers``, collectively over ``group``.
 
     Args:
         rank, ranks: this rank and the pipeline's size (the group's).
         why_not: a local reason this rank cannot use shared memory, or None.
         required: raise (on every rank) instead of falling back.
+        size: ring bytes per direction as ``FASTPIPE_SHM_BYTES`` gives them
+            ("": the default); a bad value is refused on every rank.
 
     Returns:
         (link, writer channel by peer, reader channel by peer), or None when
@@ -125,12 +128,7 @@ def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Itera
         ValueError: ``required`` and some rank cannot take this path.
     """
     peers = sorted(set(peers))
-    raw, bad = os.environ.get("FASTPIPE_SHM_BYTES", ""), None
-    try:
-        capacity = int(raw) if raw else CAPACITY
-    except ValueError:
-        capacity, bad = CAPACITY, f"rank {rank}: FASTPIPE_SHM_BYTES must be a number of bytes, got {raw!r}"
-    capacity = max(64, capacity - capacity % 8)
+    capacity, bad = _capacity(size, rank)
     mine = {"host": _host(), "why_not": why_not, "token": os.urandom(6).hex(), "bad": bad}
     everyone: list = [None] * ranks
     dist.all_gather_object(everyone, mine, group=group)
@@ -139,19 +137,43 @@ def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Itera
         raise ValueError(bad)
     reason = _refusal(everyone)
     if reason is not None:
-        if required:
-            raise ValueError(f"Pipe(shm=True) cannot use shared memory: {reason}")
-        log.info("pipe: messages through torch.distributed (no shared memory: %s)", reason)
-        return None
+        return _without(reason, required)
     token = everyone[0]["token"]
-    name = lambda src, dst: f"/fastpipe-{token}-{src}-{dst}"  # noqa: E731
-    spin = 1e-3 if ranks <= _cores() else 0.0
-    link = native().ShmLink(spin)
+    link = native().ShmLink(1e-3 if ranks <= _cores() else 0.0)  # spin only with a core each
+    writers, readers, error = _open_rings(link, lambda src, dst: f"/fastpipe-{token}-{src}-{dst}",
+                                          peers, rank, capacity, group, ranks)
+    if error is not None:
+        link.close()
+        return _without(error, required)
+    log.info("pipe: messages through shared-memory rings of %d bytes", capacity)
+    return link, writers, readers
+
+
+def _capacity(size: str, rank: int) -> tuple[int, str | None]:
+    """Ring bytes (a multiple of 8, at least 64) and what is wrong with ``size``, or None."""
+    try:
+        capacity = int(size) if size else CAPACITY
+    except ValueError:
+        return CAPACITY, f"rank {rank}: FASTPIPE_SHM_BYTES must be a number of bytes, got {size!r}"
+    return max(64, capacity - capacity % 8), None
+
+
+def _without(reason: str, required: bool) -> None:
+    if required:
+        raise ValueError(f"Pipe(shm=True) cannot use shared memory: {reason}")
+    log.info("pipe: messages through torch.distributed (no shared memory: %s)", reason)
+
+
+def _open_rings(link, name, peers: list[int], rank: int, capacity: int, group, ranks: int):
+    """(writer channel by peer, reader channel by peer, the first rank's error
+    or None), the same error on every rank: 1. every reader makes its rings,
+    2. every writer maps them, 3. both ends are mapped (or given up), so the
+    names go from /dev/shm."""
     created: list[str] = []
     writers: dict[int, int] = {}
     readers: dict[int, int] = {}
     error = None
-    try:  # 1. every reader makes its rings
+    try:
         for src in peers:
             readers[src] = link.open(name(src, rank), True, False, capacity)
             created.append(name(src, rank))
@@ -159,25 +181,18 @@ def connect(group: dist.ProcessGroup | None, rank: int, ranks: int, peers: Itera
         error = f"rank {rank}: {exc}"
     error = _first_error(error, group, ranks)
     if error is None:
-        try:  # 2. every writer maps them
+        try:
             for dst in peers:
                 writers[dst] = link.open(name(rank, dst), False, True, 0)
         except (OSError, ValueError) as exc:
             error = f"rank {rank}: {exc}"
         error = _first_error(error, group, ranks)
-    for n in created:  # 3. both ends are mapped (or given up): names go
+    for n in created:
         try:
             native().ShmLink.unlink(n)
         except OSError:
             pass
-    if error is not None:
-        link.close()
-        if required:
-            raise ValueError(f"Pipe(shm=True) cannot use shared memory: {error}")
-        log.info("pipe: messages through torch.distributed (no shared memory: %s)", error)
-        return None
-    log.info("pipe: messages through shared-memory rings of %d bytes", capacity)
-    return link, writers, readers
+    return writers, readers, error
 
 
 def _refusal(everyone: list[dict]) -> str | None:
