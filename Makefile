@@ -24,7 +24,7 @@ $(PY):
 
 # Build tools for --no-build-isolation (one environment, no second download).
 $(VENV)/.build-tools: | $(PY)
-	$(PIP) install -q "setuptools>=68" "pybind11>=2.12" wheel
+	$(PIP) install -q "setuptools>=77" "pybind11>=2.12" wheel
 	touch $@
 
 # Re-checked every run: a no-op when the requested torch is already there.

@@ -10,13 +10,25 @@ names load on first access.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastpipe._version import __version__
 
+if TYPE_CHECKING:  # what checkers and IDEs see; at run time each loads on first access
+    from fastpipe import balance, hf, kernels, schedules
+    from fastpipe._plan import Plan, plan
+    from fastpipe._state import state_dict
+    from fastpipe.kernels.recompute import selective_recompute
+    from fastpipe.pipe import Pipe
+    from fastpipe.runtime.checkpoint import is_recomputing
+    from fastpipe.runtime.deferred import WeightRule, register_weight_rule
+    from fastpipe.runtime.packing import Layout, pack, unpack
+    from fastpipe.runtime.transport import PeerError
+    from fastpipe.schedules import ScheduleError
+
 __all__ = [
     "Layout", "PeerError", "Pipe", "Plan", "ScheduleError", "WeightRule", "__version__", "balance",
-    "is_recomputing", "kernels", "pack", "plan", "register_weight_rule", "schedules",
+    "hf", "is_recomputing", "kernels", "pack", "plan", "register_weight_rule", "schedules",
     "selective_recompute", "state_dict", "unpack",
 ]
 
@@ -45,3 +57,7 @@ def __getattr__(name: str) -> Any:
     if name in ("balance", "hf", "kernels", "schedules", "runtime"):
         return importlib.import_module(f"fastpipe.{name}")
     raise AttributeError(f"module 'fastpipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -20,7 +20,7 @@ from fastpipe.balance import balance_by_params
 from fastpipe.schedules import Action, Kind, Schedule, build
 
 __all__ = [
-    "Settings", "Switches", "check_chunks", "check_model", "check_timeout", "forward_schedule", "from_plan", "mesh_groups",
+    "Settings", "Switches", "check_chunks", "check_model", "check_timeout", "forward_schedule", "from_plan", "loss_scale", "mesh_groups",
     "named_split", "raise_first", "ranges", "resolve_balance", "resolve_devices", "resolve_schedule", "settings",
     "switches",
 ]
@@ -147,6 +147,28 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=switches())
 
 
+def loss_scale(scaler, distributed: bool, device: torch.device) -> float | None:
+    """The factor ``step(scaler=)`` scales losses by now, or None (no
+    scaler, or a disabled one).
+
+    Raises:
+        TypeError: not a ``torch.amp.GradScaler``.
+        NotImplementedError: distributed mode.
+    """
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if distributed:
+        raise NotImplementedError(
+            "step(scaler=) is supported in local mode only: in distributed mode each rank's "
+            "GradScaler would see only its own stages' gradients and ranks could disagree on "
+            "skipping a step; use bf16 autocast (no scaling needed)")
+    if not scaler.is_enabled():
+        return None
+    return scaler.scale(torch.ones((), device=device)).item()
+
+
 def _check_flags(**flags: tuple[Any, bool]) -> None:
     """Each ``name=(value, None allowed)`` is a bool (or None where allowed)."""
     for name, (value, optional) in flags.items():
@@ -172,6 +194,11 @@ def raise_first(problems: list[str | None]) -> None:
 
 
 def check_model(model: Any) -> None:
+    if type(model).__name__ == "OptimizedModule":  # torch.compile(model)
+        raise TypeError("Pipe needs an nn.Sequential, got torch.compile's OptimizedModule: a "
+                        "compiled model is one graph that cannot be split into stages; compile the "
+                        "layers (or blocks) instead, e.g. model[i] = torch.compile(model[i]), and "
+                        "pass the nn.Sequential")
     if not isinstance(model, nn.Sequential):
         raise TypeError(f"Pipe needs an nn.Sequential, got {type(model).__name__}")
     if len(model) == 0:

@@ -83,14 +83,24 @@ def _rank_main(rank: int, world: int, init: str, queue, cfg: dict) -> None:
                 rate = ""
                 if start is not None:  # steps from 3 on are timed
                     rate = f"  {(step - 2) * cfg['batch'] / (time.perf_counter() - start):,.0f} samples/s"
-                sys.stdout.write(f"\r  {_bar(step, cfg['steps'])} loss {loss:.4f}{rate}   ")
-                sys.stdout.flush()
+                _progress(step, cfg["steps"], f"loss {loss:.4f}{rate}")
         elapsed = time.perf_counter() - start
         x, y = _data(0, cfg["batch"])
         _, sim = pipe.step_with_timeline(x, y, nn.functional.mse_loss)
         queue.put((rank, {"losses": losses, "elapsed": elapsed, "sim": sim if rank == 0 else None}))
     finally:
         dist.destroy_process_group()
+
+
+def _progress(step: int, steps: int, text: str, out=None) -> None:
+    """A bar redrawn in place on a terminal; into a log or a pipe, one plain
+    line every tenth of the run (no carriage returns)."""
+    out = out or sys.stdout
+    if out.isatty():
+        out.write(f"\r  {_bar(step, steps)} {text}   " + ("\n" if step == steps else ""))
+    elif step % max(1, steps // 10) == 0 or step == steps:
+        out.write(f"  step {step}/{steps} {text}\n")
+    out.flush()
 
 
 def _stage_costs(sim) -> dict[str, list[float]]:

@@ -49,12 +49,35 @@ class Candidate:
 
 @dataclass
 class Plan:
-    """The chosen candidate (``best``) and every candidate considered, fastest first."""
+    """The chosen candidate (``best``, whose choices are also ``plan.schedule``,
+    ``.chunks``, ``.balance``, ``.stages_per_rank``, ``.checkpoint``) and every
+    candidate considered, fastest first."""
 
     best: Candidate
     candidates: list[Candidate]
     memory_limit: int | None = None
     profile: Profile | None = field(default=None, repr=False)
+
+    schedule = property(lambda self: self.best.schedule, doc="the chosen schedule's name")
+    chunks = property(lambda self: self.best.chunks, doc="the chosen number of microbatches")
+    balance = property(lambda self: list(self.best.balance), doc="the chosen layers per stage")
+    stages_per_rank = property(lambda self: self.best.stages_per_rank, doc="the chosen stages per rank")
+    checkpoint = property(lambda self: self.best.checkpoint, doc="the chosen checkpoint mode")
+
+    def why_one_chunk(self) -> str | None:
+        """Why the plan does not pipeline (one microbatch), or None when it does."""
+        if self.best.chunks != 1:
+            return None
+        more = [c for c in self.candidates if c.chunks > 1 and c.fits(self.memory_limit)]
+        if not more:
+            return ("one chunk: no candidate with more microbatches fits the memory limit or the "
+                    "batch (a batch of one row cannot be split)")
+        c = more[0]
+        return (f"one chunk (no pipelining): the fastest plan with more microbatches, {c.schedule} "
+                f"with {c.chunks}, simulates {c.step_seconds * 1e3:.2f} ms against "
+                f"{self.best.step_seconds * 1e3:.2f} ms: at this size each microbatch's fixed costs "
+                "(launches, transfers) outweigh the bubble it would fill; a larger batch or model "
+                "changes that")
 
     def pipe_kwargs(self) -> dict:
         """Arguments for ``Pipe`` (what ``Pipe(model, plan=...)`` uses)."""
@@ -73,6 +96,8 @@ class Plan:
                         f"{c.step_seconds * 1e3:>10.2f}{c.bubble_ratio:>8.3f}{mem:>22}  {list(c.balance)}")
         limit = "none" if self.memory_limit is None else format_bytes(self.memory_limit)
         rows.append(f"  (* chosen, x over the memory limit: {limit}; {len(self.candidates)} candidates)")
+        if self.why_one_chunk() is not None:
+            rows.append(f"  {self.why_one_chunk()}")
         text = "\n".join(rows)
         print(text)
         return text

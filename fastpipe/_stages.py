@@ -34,7 +34,7 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
                 problem = found
                 continue
             part = nn.Sequential(*(layers[i] for i in ranges[s])).to(devices[rank])
-            held[s] = Stage(s, part, devices[rank], chains)
+            held[s] = Stage(s, part, devices[rank], chains, ranges[s])
         stages[rank] = held
     return stages, problem
 

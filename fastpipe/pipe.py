@@ -193,8 +193,13 @@ class Pipe(nn.Module):
                          "peak": p_bytes + g_bytes + act}
         return out
 
-    def step(self, x: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+    def step(self, x: Any, target: Any, loss_fn: LossFn, scaler=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch.
+
+        ``scaler``: a ``torch.amp.GradScaler``: the backward runs from the
+        scaled loss (``scaler.scale``), the loss returned is unscaled; then
+        ``scaler.step(optimizer)`` and ``scaler.update()`` as usual (local
+        mode: one scaler sees every gradient).
 
         Inside ``torch.autocast(...)`` the forwards, the loss and any
         recomputation run under the caller's region and the backward outside
@@ -213,6 +218,10 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        factor = _args.loss_scale(scaler, self.distributed, self.devices[self.schedule.stage_to_rank[-1]])
+        if factor is not None:
+            unscaled = loss_fn
+            loss_fn = lambda out, tgt: unscaled(out, tgt) * factor  # noqa: E731
         if self._stages is None:
             self._place.split_by_time(x)
         if not self._weights_checked:
@@ -244,6 +253,8 @@ class Pipe(nn.Module):
             if average is not None:
                 averaging = True
                 loss = average.average(loss)
+            if factor is not None:
+                loss = loss / factor
         except BaseException as exc:
             if tied is not None:
                 tied.restore()  # .grad as before the step, the step's share dropped
@@ -283,13 +294,9 @@ class Pipe(nn.Module):
         included; a tensor several layers share is listed once, under its
         first name in the whole model (``fastpipe._state``).
 
-        Every rank of a distributed pipeline saving its own with
-        ``torch.distributed.checkpoint.save`` writes one checkpoint of the
-        whole model: it loads into the plain model
-        (``fastpipe.state_dict(model)`` are the keys to load) or into a
-        Pipe of another schedule or number of ranks. For optimizer state
-        use ``torch.distributed.checkpoint.state_dict.get_state_dict(pipe,
-        optimizer)`` and ``set_state_dict``, which call these.
+        Saved by every rank with ``torch.distributed.checkpoint``, one
+        checkpoint of the whole model: it loads into the plain model or a
+        Pipe of another layout (``docs/design/pipe.md``, "checkpoints").
         """
         if args:
             raise TypeError("Pipe.state_dict takes keyword arguments only "
@@ -474,6 +481,14 @@ class Pipe(nn.Module):
         torch may still refer to them (``runtime/streams.py``). A later step
         makes both afresh."""
         self._runner.close()
+
+    def compile(self, *args, **kwargs):
+        """Refused: ``nn.Module.compile`` would compile ``pipe(x)``'s call only,
+        never ``step``. Compile the layers before wrapping them."""
+        raise NotImplementedError(
+            "Pipe.compile() would compile only pipe(x), not step: compile the model's layers (or "
+            "blocks) before wrapping it, e.g. model[i] = torch.compile(model[i]); "
+            "Pipe(model, ...) then runs them compiled")
 
     def extra_repr(self) -> str:
         return (f"schedule={self.schedule.name!r}, chunks={self.chunks}, balance={self.balance}, "

@@ -195,6 +195,21 @@ def test_plan_prefers_the_simulated_fastest_and_explains():
     pipe.close()
 
 
+def test_a_plan_names_its_choices_and_says_why_it_does_not_pipeline():
+    from fastpipe._plan import Candidate, Plan
+
+    one = Candidate("gpipe", 1, 1, (2, 2), "never", 0.010, 0.5, (100, 100))
+    four = Candidate("1f1b", 4, 1, (1, 3), "always", 0.012, 0.2, (80, 90))
+    chosen = Plan(one, [one, four])
+    assert (chosen.schedule, chosen.chunks, chosen.balance, chosen.stages_per_rank,
+            chosen.checkpoint) == ("gpipe", 1, [2, 2], 1, "never")
+    why = chosen.why_one_chunk()
+    assert "1f1b with 4" in why and "12.00 ms against 10.00 ms" in why
+    assert why in chosen.explain()
+    assert Plan(four, [four, one]).why_one_chunk() is None
+    assert "fits" in Plan(one, [one, four], memory_limit=50).why_one_chunk()
+
+
 def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
     """A limit below what 1F1B without checkpointing needs: the planner picks a
     plan that fits, and the executor's own peak stays under the limit."""

@@ -181,3 +181,58 @@ def test_failed_step_leaves_parameters_as_they_were():
     with pytest.raises(ValueError):
         _step({"devices": CPU2, "chunks": 2}, X, Y, loss_fn=lambda out, t: out, model=model)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class _FailsIn(nn.Module):
+    """Raises ``exc`` in forward or, through a Function, in backward."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__()
+        self.phase = phase
+
+    def forward(self, x):
+        if self.phase == "forward":
+            raise KeyError("broken forward")
+        return _BackwardFails.apply(x)
+
+
+class _BackwardFails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise ArithmeticError("broken backward")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("phase,kinds,exc", [("forward", ("F",), KeyError),
+                                             ("backward", ("B", "I"), ArithmeticError)])
+def test_an_exception_in_a_stage_says_where_and_keeps_its_type(schedule, phase, kinds, exc):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), _FailsIn(phase), nn.Linear(4, 4))
+    pipe = Pipe(model, chunks=2, schedule=schedule, balance=[2, 3], devices=["cpu", "cpu"])
+    with pytest.raises(exc) as info:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("fastpipe:")]
+    assert len(notes) == 1, notes
+    kind = next(k for k in kinds if f" in {k} of stage 1 " in notes[0])
+    assert f"rank 1 in {kind} of stage 1 (layers 2-4 of the model: Linear, _FailsIn, Linear)" in notes[0]
+    assert "microbatch " in notes[0]
+
+
+def test_compiling_the_pipe_or_wrapping_a_compiled_model_is_refused_with_a_hint():
+    model = mlp(depth=4)
+    with pytest.raises(TypeError, match=r"OptimizedModule.*model\[i\] = torch.compile\(model\[i\]\)"):
+        Pipe(torch.compile(model), chunks=2, devices=["cpu", "cpu"])
+    pipe = Pipe(model, chunks=2, devices=["cpu", "cpu"])
+    with pytest.raises(NotImplementedError, match="only pipe\\(x\\), not step"):
+        pipe.compile()
+    pipe.close()
+
+
+def test_step_refuses_a_scaler_that_is_not_one():
+    pipe = Pipe(mlp(depth=4), chunks=2, devices=["cpu", "cpu"])
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler, got float"):
+        pipe.step(torch.randn(4, 5), torch.randn(4, 3), nn.functional.mse_loss, scaler=2.0)
+    pipe.close()

@@ -61,3 +61,38 @@ def test_stub_and_marker_ship_with_the_package():
     pkg = files("fastpipe")
     assert (pkg / "py.typed").is_file()
     assert (pkg / "_C.pyi").is_file()
+
+
+def test_public_names_are_typed_and_listed():
+    """Checkers and IDEs see every public name through the TYPE_CHECKING
+    imports (at run time they load lazily), and dir() lists them."""
+    import ast
+
+    import fastpipe
+
+    tree = ast.parse(open(fastpipe.__file__).read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {alias.asname or alias.name for n in block.body for alias in n.names}
+    assert typed == set(fastpipe.__all__) - {"__version__"}
+    assert set(dir(fastpipe)) == set(fastpipe.__all__)
+    for name in fastpipe.__all__:
+        assert getattr(fastpipe, name) is not None
+
+
+def test_the_demo_progress_is_plain_lines_off_a_terminal():
+    import io
+
+    from fastpipe._demo import _progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    log, tty = io.StringIO(), Terminal()
+    for step in range(1, 21):
+        _progress(step, 20, f"loss {1 / step:.3f}", log)
+        _progress(step, 20, f"loss {1 / step:.3f}", tty)
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().splitlines()[0] == "  step 2/20 loss 0.500"
+    assert len(log.getvalue().splitlines()) == 10
+    assert tty.getvalue().count("\r") == 20 and tty.getvalue().endswith("\n")

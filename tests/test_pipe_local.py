@@ -423,3 +423,30 @@ def test_the_profiler_sees_every_action():
         assert len([n for n in names if n.startswith("fastpipe.F ")]) == 4  # 2 stages x 2 microbatches
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_grad_scaler_scales_the_backward_and_not_the_loss(schedule):
+    """step(scaler=): .grad holds scale × the gradients, the loss comes back
+    unscaled, and scaler.step/update then train as in the usual AMP loop."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    ref_loss, ref_grads = reference(mlp(depth=8), x, y, F.mse_loss, 4)
+    model = mlp(depth=8)
+    pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu"] * 2, stages_per_rank=SPR.get(schedule))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    try:
+        loss = pipe.step(x, y, F.mse_loss, scaler=scaler)
+        torch.testing.assert_close(loss, ref_loss)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name] * 1024.0, msg=name)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.step(opt)  # unscales, finds no inf, steps
+        scaler.update()
+        assert scaler.get_scale() == 1024.0  # grows only after growth_interval steps without inf
+        disabled = torch.amp.GradScaler("cpu", enabled=False)
+        model.zero_grad()
+        torch.testing.assert_close(pipe.step(x, y, F.mse_loss, scaler=disabled),
+                                   pipe.step(x, y, F.mse_loss))
+    finally:
+        pipe.close()

@@ -43,7 +43,7 @@ from fastpipe.runtime.checkpoint import stochastic
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.stage_compute import Saved, StageCompute
 from fastpipe.runtime.threads import Autocast, autocast
-from fastpipe.runtime.transport import CallMismatch, Transport
+from fastpipe.runtime.transport import CallMismatch, PeerError, Transport
 from fastpipe.schedules import Action, Kind, Schedule, TimelineRecord
 
 __all__ = ["LossFn", "RankExecutor", "Stage", "last_backward"]
@@ -64,6 +64,7 @@ class Stage:
     # where fastpipe._chain is built); "python": its ops issued from Python;
     # "off": autograd (``Switches.chains``).
     chains: str = "on"
+    layers: range | None = None  # the model's layer indices this stage holds
     params: list[torch.Tensor] = field(init=False)
 
     stochastic: bool = field(init=False)  # holds dropout-like layers
@@ -85,6 +86,11 @@ class Stage:
         """Re-reads the parameters, after a module's entries changed (local
         mode swaps replicas of parameters tied across ranks in for a call)."""
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+
+def _names(module: nn.Module, most: int = 4) -> list[str]:
+    kinds = [type(m).__name__ for m in module]
+    return kinds if len(kinds) <= most else [*kinds[:most - 1], "...", kinds[-1]]
 
 
 def last_backward(actions: Sequence[Action]) -> dict[int, int]:
@@ -303,27 +309,46 @@ class RankExecutor(StageCompute):
         # without one, the loop has nothing extra to do.
         profiling = torch.autograd.profiler._is_profiler_enabled
         done_at = self._grads_done_at if self.grads_done is not None and self._train else {}
-        if origin is None and not profiling:
-            for i, action in enumerate(self.actions):
-                verbs[action.kind](self, action)
-                if i in release_at:
-                    self._release(release_at[i])
-                if i in done_at:
-                    self._stage_grads_done(done_at[i], origin)
-        else:
-            for i, action in enumerate(self.actions):
-                with _range(action) if profiling else nullcontext():
-                    if origin is None:
-                        verbs[action.kind](self, action)
-                    else:
-                        self._timed(action, origin)
-                if i in release_at:
-                    self._release(release_at[i])
-                if i in done_at:
-                    self._stage_grads_done(done_at[i], origin)
-        with record_function("fastpipe.W gathered") if profiling else nullcontext():
-            self._flush_deferred(origin)
+        action = None
+        try:
+            if origin is None and not profiling:
+                for i, action in enumerate(self.actions):
+                    verbs[action.kind](self, action)
+                    if i in release_at:
+                        self._release(release_at[i])
+                    if i in done_at:
+                        self._stage_grads_done(done_at[i], origin)
+            else:
+                for i, action in enumerate(self.actions):
+                    with _range(action) if profiling else nullcontext():
+                        if origin is None:
+                            verbs[action.kind](self, action)
+                        else:
+                            self._timed(action, origin)
+                    if i in release_at:
+                        self._release(release_at[i])
+                    if i in done_at:
+                        self._stage_grads_done(done_at[i], origin)
+            action = None
+            with record_function("fastpipe.W gathered") if profiling else nullcontext():
+                self._flush_deferred(origin)
+        except Exception as exc:
+            if not isinstance(exc, PeerError):  # a peer's failure names its own place
+                exc.add_note(self._where(action))
+            raise
         self.transport.finish()
+
+    def _where(self, a: Action | None) -> str:
+        """Where in the pipeline an exception was raised, as a note on it."""
+        if a is None:
+            return f"fastpipe: raised on pipeline rank {self.rank} in the gathered W at the step's end"
+        stage = self.stages.get(a.stage)
+        layers = stage.layers if stage is not None else None
+        held = "" if layers is None else (
+            f" (layer {layers.start}" if len(layers) == 1 else f" (layers {layers.start}-{layers.stop - 1}")
+        held += "" if layers is None else f" of the model: {', '.join(_names(stage.module))})"
+        return (f"fastpipe: raised on pipeline rank {self.rank} in {a.kind.name} of stage "
+                f"{a.stage}{held}, microbatch {a.microbatch}")
 
     def _flush_deferred(self, origin: float | None) -> None:
         """Runs the W work still waiting to be gathered, so .grad is complete
