@@ -73,6 +73,8 @@ def chain_extension():
         return None
     macros = [
         ("TORCH_EXTENSION_NAME", "_chain"),
+        # What `python -m fastpipe info` reports: the torch this build is tied to.
+        ("FASTPIPE_BUILT_WITH_TORCH", '"' + torch.__version__ + '"'),
         ("TORCH_API_INCLUDE_EXTENSION_H", None),
         ("_GLIBCXX_USE_CXX11_ABI", str(int(torch._C._GLIBCXX_USE_CXX11_ABI))),
     ]

@@ -1,36 +1,62 @@
-"""The ``fastpipe`` command line: ``demo``, ``simulate`` and ``plan``.
+"""The ``fastpipe`` command line: ``demo``, ``simulate``, ``plan`` and ``info``.
 
 The CLI prints; the library logs. Each subcommand lives in a small function
-that builds its parser and one that runs it.
+that builds its parser and one that runs it; ``main`` turns a closed stdout
+into a quiet exit.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import importlib.util
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING
 
+from fastpipe._version import __version__
+
 if TYPE_CHECKING:
-    from fastpipe.schedules import Schedule
+    from fastpipe.schedules import Action, Schedule
 
 __all__ = ["main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastpipe", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fastpipe",
+        description="Pipeline-parallel training for PyTorch: compare schedules, "
+        "plan how to split a model, check an install.",
+    )
+    parser.add_argument("--version", action="version", version=f"fastpipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the main job: compare schedules and run a pipeline")
+    demo = sub.add_parser(
+        "demo",
+        help="compare the schedules, then train a small model on a two-process CPU pipeline",
+        description="Compare the schedules in the simulator, then train a small model on a "
+        "two-process CPU pipeline and write one step's timeline under out/.",
+    )
     demo.set_defaults(run=_run_demo)
     _add_simulate_parser(sub)
     _add_plan_parser(sub)
+    info = sub.add_parser(
+        "info",
+        help="print the versions and native extensions in use (for bug reports)",
+        description="Print fastpipe's, Python's and torch's versions, the CUDA runtime and "
+        "which of fastpipe's native extensions load.",
+    )
+    info.set_defaults(run=_run_info)
     return parser
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
-        help="profile a model and rank schedule x chunks x balance plans",
-        description="Profile MODULE:FACTORY's layers and print the best pipeline plans.",
+        help="suggest the fastest schedule, microbatch count and layer split for your model",
+        description="Time your model's layers on this machine and print the fastest pipeline "
+        "plans (schedule, microbatches, layers per stage) that fit the memory limit.",
     )
     plan.add_argument("--model", required=True,
                       help="MODULE:FACTORY; FACTORY() returns an nn.Sequential, or (model, sample)")
@@ -100,8 +126,10 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
     simulate = sub.add_parser(
         "simulate",
-        help="simulate a schedule: grid, bubble ratio, peak in-flight (no process group)",
-        description="Simulate a pipeline schedule on a model of time (pure Python).",
+        help="show a schedule's timeline and bubble for given per-action costs",
+        description="Show the order in which a pipeline schedule runs its actions on each "
+        "rank, its makespan, its bubble (idle share) and the activations each rank holds at "
+        "most, for per-action costs you give. Nothing runs on a device.",
     )
     simulate.add_argument("--schedule", choices=names(), help="the schedule to simulate")
     simulate.add_argument("--ranks", type=_positive_int, default=4, help="pipeline ranks (4)")
@@ -116,16 +144,24 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "--costs",
         type=_parse_costs,
         default=None,
-        help="per-kind costs of one rank's share of the model, e.g. "
-        "F=1,B=2,W=1 (defaults F=1,B=2,I=1,W=1); a schedule with v stages "
-        "per rank costs 1/v of that per stage, so schedules compare fairly",
+        metavar="KIND=COST,...",
+        help="cost of each action kind on one rank's share of the model, e.g. F=1,B=2 "
+        "(forward, backward, input-grad, weight-grad; defaults F=1,B=2,I=1,W=1, and a "
+        "missing B is I+W); with v stages per rank each stage costs 1/v of that, so "
+        "schedules compare fairly",
     )
-    simulate.add_argument("--png", help="write the timeline as a PNG (needs matplotlib)")
-    simulate.add_argument("--trace", help="write a Chrome/Perfetto trace (1 unit = 1 ms)")
+    simulate.add_argument(
+        "--png", metavar="FILE", help="write the timeline to this PNG (needs matplotlib)"
+    )
+    simulate.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="write the timeline to this Chrome/Perfetto trace (1 cost unit = 1 ms)",
+    )
     simulate.add_argument(
         "--compare",
         action="store_true",
-        help="one line per schedule that can be built, by makespan",
+        help="list every schedule that fits --ranks and --microbatches, fastest first",
     )
     simulate.set_defaults(run=_run_simulate, parser=simulate)
 
@@ -162,6 +198,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from fastpipe.schedules import build
 
     if args.compare:
+        if args.png or args.trace:
+            args.parser.error(
+                "--png and --trace draw one schedule: pass --schedule NAME instead of --compare"
+            )
         return _run_compare(args)
     if args.schedule is None:
         args.parser.error("--schedule is required unless --compare is given")
@@ -172,16 +212,21 @@ def _run_simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         args.parser.error(str(exc))
     print(schedule.render_text())
+    print("(the grid gives every action one step; makespan and bubble ratio use the costs)")
     print(f"makespan: {sim.makespan:g}")
     print(f"bubble ratio: {sim.bubble_ratio:.4f}")
     print(f"peak in-flight per rank: {sim.peak_inflight}")
-    if args.png:
-        try:
-            print(f"wrote {sim.plot(args.png)}")
-        except ImportError as exc:
-            args.parser.error(str(exc))
-    if args.trace:
-        print(f"wrote {sim.to_chrome_trace(args.trace)}")
+    for path, write in ((args.png, sim.plot), (args.trace, sim.to_chrome_trace)):
+        if path:
+            try:
+                write(path)
+            except ImportError as exc:
+                args.parser.error(str(exc))
+            except OSError as exc:
+                print(f"fastpipe: error: cannot write {path}: {exc.strerror or exc}",
+                      file=sys.stderr)
+                return 1
+            print(f"wrote {path}")
     return 0
 
 
@@ -209,13 +254,92 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _per_stage(costs: dict[str, float] | None, schedule: Schedule) -> dict[str, float]:
-    """Costs of one stage: a rank's share of the model split over its stages."""
+def _per_stage(costs: dict[str, float] | None, schedule: Schedule) -> Callable[[Action], float]:
+    """Cost of one action on one stage: a rank's share of the model split over its stages.
+
+    ``costs`` are per rank; the kinds it leaves out take the simulator's
+    defaults first (``compute_cost``), so a kind left out costs exactly what
+    it would if given with its default value. Then each is divided by the
+    stages per rank.
+    """
+    from fastpipe.schedules._costs import compute_cost
+
     v = schedule.stages // schedule.ranks
-    given = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0} if costs is None else costs
-    return {kind: value / v for kind, value in given.items()}
+    per_rank = compute_cost(costs, schedule.stages)
+    return lambda action: per_rank(action) / v
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    from fastpipe._ext import native, native_chain
+
+    rows = [("fastpipe", __version__),
+            ("python", f"{platform.python_version()} ({sys.executable})")]
+    try:
+        import torch
+    except ImportError:
+        rows += [("torch", "not installed"), ("CUDA runtime", "unknown (no torch)")]
+    else:
+        available = "available" if torch.cuda.is_available() else "not available"
+        cuda = torch.version.cuda or "none (torch built without CUDA)"
+        rows += [("torch", torch.__version__), ("CUDA runtime", f"{cuda}, GPU {available}")]
+    c_status = _extension_status("fastpipe._C", native)
+    if c_status == "loaded":
+        c_status += " (CUDA lanes built)" if native().has_cuda else " (CUDA lanes not built)"
+    rows += [
+        ("fastpipe._C", c_status),
+        ("fastpipe._chain", _extension_status("fastpipe._chain", native_chain)),
+        ("fastpipe._chain built against torch", _built_with_torch(native_chain)),
+        ("triton", _installed_version("triton")),
+        ("transformers", _installed_version("transformers")),
+    ]
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label + ':':<{width + 1}} {value}")
+    return 0
+
+
+def _extension_status(name: str, load: Callable[[], ModuleType | None]) -> str:
+    """``loaded``, ``not built`` or ``failed (reason)``: extension ``name`` as ``load`` finds it."""
+    if importlib.util.find_spec(name) is None:
+        return "not built"
+    try:
+        if load() is None:  # native_chain() answers None without the reason:
+            importlib.import_module(name)  # importing again raises it
+    except ImportError as exc:
+        return f"failed ({exc.__cause__ or exc})"
+    return "loaded"
+
+
+def _built_with_torch(load: Callable[[], ModuleType | None]) -> str:
+    """The torch version ``fastpipe._chain`` was compiled against (setup.py records it)."""
+    module = load()
+    if module is None:
+        return "-"
+    return getattr(module, "built_with_torch", "not recorded (built before it was recorded)")
+
+
+def _installed_version(distribution: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    Usage errors exit with status 2 (argparse). When the reader of stdout goes
+    away (``fastpipe simulate --compare | head -1``) it stops quietly with status 1.
+    """
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe may show only here, with the output still buffered
+    except BrokenPipeError:
+        # Point stdout at devnull so the flush at interpreter exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return status

@@ -149,8 +149,8 @@ def _train(steps: int = 25, chunks: int = 8, batch: int = 256, schedule: str = "
     trace = sim.to_chrome_trace("out/demo_trace.json")
     print(f"  Chrome trace of that step (compute and comm tracks per rank): {trace}")
     try:
-        png = sim.plot("out/demo_timeline.png")
-        print(f"  timeline picture: {png}")
+        sim.plot("out/demo_timeline.png")
+        print("  timeline picture: out/demo_timeline.png")
     except ImportError as err:
         print(f"  (no picture: {err})")
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastpipe.schedules import build, load_csv, lower, names, save_csv
+from fastpipe.schedules import Action, build, load_csv, lower, names, save_csv
 
 
 @settings(
@@ -37,6 +37,26 @@ def test_load_infers_sizes_and_placement(tmp_path: Path) -> None:
     s = load_csv(path)
     assert (s.ranks, s.stages, s.microbatches, s.stage_to_rank) == (2, 4, 1, (0, 1, 1, 0))
     s.validate()
+
+
+def test_load_then_save_keeps_idle_and_overlap_cells(tmp_path: Path) -> None:
+    # Idle cells at a row's start, in its middle and at its end, and an overlapped pair.
+    text = ",0F0,,3F0,3B0,,0B0,\r\n1F0,,2F0,(2B0;1F1)OVERLAP_F_B,1B0,1B1\r\n"
+    path = tmp_path / "idle.csv"
+    path.write_bytes(text.encode())
+    loaded = load_csv(path)
+    assert [str(a) for a in loaded.actions[1]] == ["1F0", "2F0", "2B0", "1F1", "1B0", "1B1"]
+    assert save_csv(loaded, tmp_path / "again.csv").read_bytes() == text.encode()
+
+
+def test_rows_without_their_layout_get_one_action_per_cell(tmp_path: Path) -> None:
+    path = tmp_path / "idle.csv"
+    path.write_text(",0F0,,0B0\n,1F0,1B0,\n")
+    loaded = load_csv(path)
+    loaded.actions[1].append(Action.parse("1F1"))  # resized: its cells no longer say where
+    assert save_csv(loaded, tmp_path / "t.csv").read_bytes() == b",0F0,,0B0\r\n1F0,1B0,1F1\r\n"
+    lowered = save_csv(lower(load_csv(path)), tmp_path / "l.csv").read_text()
+    assert ",," not in lowered and not lowered.startswith(",")
 
 
 @pytest.mark.parametrize(
@@ -112,6 +132,7 @@ def test_torch_made_csv_loads_validates_and_simulates(
                 flat += [str(x) for x in a.sub_actions] if a.sub_actions else [str(a)]
         assert [str(a) for a in ours.actions[rank]] == flat
     assert 0 <= sim.bubble_ratio < 0.5
+    assert save_csv(ours, tmp_path / "again.csv").read_bytes() == path.read_bytes()
 
 
 @pytest.mark.parametrize("name", ["zbv", "interleaved-1f1b"])

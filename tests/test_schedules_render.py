@@ -61,8 +61,9 @@ def test_chrome_trace(tmp_path) -> None:
 def test_plot_writes_a_png(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     sim = build("zbv", 2, 3).simulate(latency=0.1)
-    path = sim.plot(tmp_path / "zbv.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figure = sim.plot(tmp_path / "zbv.png")
+    assert (tmp_path / "zbv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert figure.axes and figure.axes[0].get_xlabel() == "time (cost units)"
 
 
 def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch) -> None:

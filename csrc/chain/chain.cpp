@@ -253,6 +253,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using fastpipe::Program, fastpipe::Saved;
   m.attr("aten_gelu") = fastpipe::kAtenGelu;
+#ifdef FASTPIPE_BUILT_WITH_TORCH
+  m.attr("built_with_torch") = FASTPIPE_BUILT_WITH_TORCH;  // torch.__version__ at build time
+#endif
   fastpipe::register_wgrad(m);
   m.def("accumulator_hooked", &fastpipe::accumulator_hooked, py::arg("params"),
         "Whether a live AccumulateGrad node of one of these parameters carries hooks.");

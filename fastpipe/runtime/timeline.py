@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastpipe.schedules import Kind, Schedule, Simulation, TimelineRecord
 
-__all__ = ["measured"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["MeasuredStep", "measured"]
 
 
-def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> Simulation:
+class MeasuredStep(Simulation):
+    """A ``Simulation`` of a step that ran: its times are milliseconds, not cost units."""
+
+    def plot(self, path: str | Path | None = None, ax: Axes | None = None) -> Figure:
+        """Draw the timeline in milliseconds; see :func:`fastpipe.schedules._plot.plot`."""
+        from fastpipe.schedules._plot import plot
+
+        return plot(self, path, ax, unit="ms")
+
+
+def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> MeasuredStep:
     """Builds a Simulation from real action timings.
 
     Args:
@@ -17,9 +33,13 @@ def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> Simulatio
         records: TimelineRecords in seconds since the step began, from every rank.
 
     Returns:
-        A Simulation whose times are milliseconds (so ``to_chrome_trace`` with
-        its default scale writes real microseconds) and whose bubble ratio is
-        the measured idle share of the compute tracks.
+        A :class:`MeasuredStep` whose times are milliseconds (so
+        ``to_chrome_trace`` with its default scale writes real microseconds,
+        and ``plot`` labels its axis in ms) and whose bubble ratio is the
+        measured idle share of the compute tracks.
+
+    Raises:
+        ValueError: If ``records`` holds no compute record.
     """
     ms = [TimelineRecord(r.rank, r.action, r.start * 1e3, r.end * 1e3, r.track) for r in records]
     compute = [r for r in ms if r.track == "compute"]
@@ -35,7 +55,7 @@ def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> Simulatio
         first[r.rank] = min(first[r.rank], r.start)
         last[r.rank] = max(last[r.rank], r.end)
     idle = [makespan - b for b in busy]
-    return Simulation(
+    return MeasuredStep(
         schedule=schedule,
         makespan=makespan,
         busy=busy,

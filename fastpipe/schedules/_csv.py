@@ -2,10 +2,14 @@
 
 The format: one row per rank, one cell per action string (``0F0``, ``2I1``,
 ``0SEND_F1``), written by Python's ``csv`` module with its default dialect.
-torch leaves a cell empty for an idle step; fastpipe reads those as nothing
-(its lists have no idle slots) and never writes them. torch's DualPipeV also
-writes overlapped pairs as ``(0F7;7B3)OVERLAP_F_B``; those are read as their
-sub-actions in order (so such a file does not round-trip byte for byte). The
+torch leaves a cell empty for an idle step, and its DualPipeV writes
+overlapped pairs as ``(0F7;7B3)OVERLAP_F_B``. fastpipe's lists have no idle
+slots, so an empty cell reads as nothing and an overlap cell as its
+sub-actions in order; each row that ``load_csv`` returns also remembers its
+cell layout (the cell each action came from, and the row's cell count), and
+``save_csv`` writes a row with its layout back into the same cells. A file
+loaded and saved again is therefore the same file. Rows without a layout
+(built, lowered, or loaded and then resized) get one action per cell. The
 FSDP actions of torch's ``compute_comms`` files (``UNSHARD``, ``RESHARD``,
 ``REDUCE_GRAD``) are not part of this IR and are rejected.
 """
@@ -28,6 +32,9 @@ _OVERLAP = "OVERLAP_F_B"
 def save_csv(schedule: Schedule, path: str | Path) -> Path:
     """Write ``schedule`` in torch's CSV format, one row per rank.
 
+    A row read by :func:`load_csv` goes back into the cells it came from
+    (idle and overlap cells included); any other row gets one action per cell.
+
     Args:
         schedule: Compute-only (torch's ``compute_only``) or lowered
             (``compute_comms``).
@@ -47,7 +54,7 @@ def save_csv(schedule: Schedule, path: str | Path) -> Path:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         for row in schedule.actions:
-            writer.writerow([str(a) for a in row])
+            writer.writerow(_cells(row))
     return path
 
 
@@ -56,7 +63,9 @@ def load_csv(path: str | Path, name: str | None = None) -> Schedule:
 
     ``ranks`` is the number of rows, ``stages`` and ``microbatches`` one more
     than the largest index seen, and stage ``s`` lives on the rank whose row
-    holds its actions. ``load_csv(save_csv(s, p), name=s.name) == s``.
+    holds its actions. ``load_csv(save_csv(s, p), name=s.name) == s``, and
+    ``save_csv(load_csv(p), q)`` writes ``q`` byte for byte like ``p`` (for a
+    file in the format's dialect: no spaces around actions, ``\\r\\n`` line ends).
 
     Args:
         path: The file to read.
@@ -73,11 +82,7 @@ def load_csv(path: str | Path, name: str | None = None) -> Schedule:
     """
     path = Path(path)
     with path.open(newline="") as f:
-        rows = [
-            [_parse_cell(cell, path, r, c) for c, cell in enumerate(row)]
-            for r, row in enumerate(csv.reader(f))
-        ]
-    actions = [[a for cell in row for a in cell] for row in rows]
+        actions = [_read_row(row, path, r) for r, row in enumerate(csv.reader(f))]
     if not actions:
         raise ValueError(f"{path}: no rows, so no ranks")
     stage_to_rank = _placement(actions, path)
@@ -90,6 +95,40 @@ def load_csv(path: str | Path, name: str | None = None) -> Schedule:
         stage_to_rank=stage_to_rank,
         actions=actions,
     )
+
+
+class _Row(list[Action]):
+    """A rank's actions as read from a file, with the cell each one came from.
+
+    It compares equal to the plain list of its actions; ``columns[i]`` is the
+    cell of ``self[i]`` (an overlap cell gives its sub-actions one column) and
+    ``width`` the row's cell count, so the cells between are the idle ones.
+    """
+
+    def __init__(self, actions: list[Action], columns: list[int], width: int) -> None:
+        super().__init__(actions)
+        self.columns = tuple(columns)
+        self.width = width
+
+
+def _read_row(row: list[str], path: Path, r: int) -> _Row:
+    actions: list[Action] = []
+    columns: list[int] = []
+    for c, cell in enumerate(row):
+        parsed = _parse_cell(cell, path, r, c)
+        actions += parsed
+        columns += [c] * len(parsed)
+    return _Row(actions, columns, len(row))
+
+
+def _cells(row: list[Action]) -> list[str]:
+    """The row's CSV cells: back where they were read from, else one action per cell."""
+    if not isinstance(row, _Row) or len(row.columns) != len(row):
+        return [str(a) for a in row]
+    cells: list[list[str]] = [[] for _ in range(row.width)]
+    for a, c in zip(row, row.columns):
+        cells[c].append(str(a))
+    return [f"({';'.join(cell)}){_OVERLAP}" if len(cell) > 1 else "".join(cell) for cell in cells]
 
 
 def _parse_cell(cell: str, path: Path, row: int, column: int) -> list[Action]:

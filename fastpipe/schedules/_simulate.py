@@ -5,11 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastpipe.schedules._costs import Costs, compute_cost, rank_speeds, transfer_cost
 from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._lower import lower, matching_recv, matching_send
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["Simulation", "TimelineRecord", "inflight_peaks", "simulate", "unit_costs"]
 
@@ -64,11 +68,13 @@ class Simulation:
 
         return to_chrome_trace(self, path, us_per_unit=us_per_unit)
 
-    def plot(self, path: str | Path) -> Path:
-        """Draw the timeline as a PNG; see :func:`fastpipe.schedules._plot.plot`."""
+    def plot(self, path: str | Path | None = None, ax: Axes | None = None) -> Figure:
+        """Draws the timeline on a matplotlib Figure (returned), into ``ax``
+        when given, saved to ``path`` when given; see
+        :func:`fastpipe.schedules._plot.plot`."""
         from fastpipe.schedules._plot import plot
 
-        return plot(self, path)
+        return plot(self, path, ax)
 
 
 def simulate(
