@@ -196,15 +196,12 @@ class Pipe(nn.Module):
     def step(self, x: Any, target: Any, loss_fn: LossFn, scaler=None) -> torch.Tensor:
         """One training step: forward and backward of every microbatch.
 
-        ``scaler``: a ``torch.amp.GradScaler``: the backward runs from the
-        scaled loss (``scaler.scale``), the loss returned is unscaled; then
-        ``scaler.step(optimizer)`` and ``scaler.update()`` as usual (local
-        mode: one scaler sees every gradient).
-
         Inside ``torch.autocast(...)`` the forwards, the loss and any
         recomputation run under the caller's region and the backward outside
-        it, as in the usual AMP loop, on every rank (local ranks are threads:
-        they get the region from here).
+        it, as in the usual AMP loop, on every rank. ``scaler`` (a
+        ``torch.amp.GradScaler``, local mode): the backward runs from the
+        scaled loss, the loss returned is unscaled; then ``scaler.step`` and
+        ``scaler.update`` as usual.
 
         Returns:
             The mean over microbatches of ``loss_fn``, detached, on every rank.
@@ -213,20 +210,7 @@ class Pipe(nn.Module):
             RuntimeError: called with gradients disabled (``torch.no_grad()``).
             ValueError / TypeError: inputs that cannot be split into ``chunks``.
         """
-        if not torch.is_grad_enabled():
-            raise RuntimeError("Pipe.step needs autograd; it was called inside torch.no_grad()")
-        self._check_not_broken()
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        factor = _args.loss_scale(scaler, self.distributed, self.devices[self.schedule.stage_to_rank[-1]])
-        if factor is not None:
-            unscaled = loss_fn
-            loss_fn = lambda out, tgt: unscaled(out, tgt) * factor  # noqa: E731
-        if self._stages is None:
-            self._place.split_by_time(x)
-        if not self._weights_checked:
-            self._place.check_weights()
-            self._weights_checked = True
+        loss_fn, factor = self._begin_step(x, loss_fn, scaler)
         inputs, targets, refused = self._split_inputs(x, target)
         tied = self._place.tied
         if self.dp_group is not None and self._grad_average is None:
@@ -264,6 +248,24 @@ class Pipe(nn.Module):
                 self._runner.broken = self._runner.broken or exc  # replicas went out of step
             raise
         return loss
+
+    def _begin_step(self, x: Any, loss_fn: LossFn, scaler) -> tuple[LossFn, float | None]:
+        """Checks a step's arguments, makes the stages (``balance="auto"``) and
+        compares copies (first step); ``(loss_fn, factor)``, scaled by ``scaler``."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("Pipe.step needs autograd; it was called inside torch.no_grad()")
+        self._check_not_broken()
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        factor = _args.loss_scale(scaler, self.distributed, self.devices[self.schedule.stage_to_rank[-1]])
+        if self._stages is None:
+            self._place.split_by_time(x)
+        if not self._weights_checked:
+            self._place.check_weights()
+            self._weights_checked = True
+        if factor is None:
+            return loss_fn, None
+        return (lambda out, tgt: loss_fn(out, tgt) * factor), factor
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
         """Like ``step``, and also returns the step's measured timeline.
