@@ -292,6 +292,11 @@ def _run_info(args: argparse.Namespace) -> int:
         ("triton", _installed_version("triton")),
         ("transformers", _installed_version("transformers")),
     ]
+    source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if c_status == "not built" and os.path.exists(os.path.join(source, "setup.py")):
+        rows.append(("note", f"fastpipe is imported from the source tree {source}, which has no "
+                             "built extensions: build them there (pip install --no-build-isolation "
+                             "-e .) or run from another directory"))
     width = max(len(label) for label, _ in rows)
     for label, value in rows:
         print(f"{label + ':':<{width + 1}} {value}")

@@ -236,3 +236,13 @@ def test_step_refuses_a_scaler_that_is_not_one():
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler, got float"):
         pipe.step(torch.randn(4, 5), torch.randn(4, 3), nn.functional.mse_loss, scaler=2.0)
     pipe.close()
+
+
+def test_a_scaler_is_refused_in_distributed_mode_with_the_reason():
+    from fastpipe._args import loss_scale
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    with pytest.raises(NotImplementedError, match="local mode only.*bf16"):
+        loss_scale(scaler, True, torch.device("cpu"))
+    assert loss_scale(scaler, False, torch.device("cpu")) == 8.0
+    assert loss_scale(None, True, torch.device("cpu")) is None
