@@ -147,23 +147,39 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=switches())
 
 
-def loss_scale(scaler, distributed: bool, device: torch.device) -> float | None:
+def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,
+               device: torch.device) -> float | None:
     """The factor ``step(scaler=)`` scales losses by now, or None (no
     scaler, or a disabled one).
 
+    In distributed mode each rank's scaler sees only its own stages'
+    gradients, so ranks must agree on a step with an inf: the scaler must be
+    a ``ShardedGradScaler``, which combines found-inf over its process group,
+    and that group must hold every rank of the pipeline (``group``).
+
     Raises:
-        TypeError: not a ``torch.amp.GradScaler``.
-        NotImplementedError: distributed mode.
+        TypeError: not a ``torch.amp.GradScaler``; distributed mode and not a
+            ``ShardedGradScaler``.
+        ValueError: the ShardedGradScaler's group leaves out pipeline ranks.
     """
     if scaler is None:
         return None
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     if distributed:
-        raise NotImplementedError(
-            "step(scaler=) is supported in local mode only: in distributed mode each rank's "
-            "GradScaler would see only its own stages' gradients and ranks could disagree on "
-            "skipping a step; use bf16 autocast (no scaling needed)")
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        if not isinstance(scaler, ShardedGradScaler):
+            raise TypeError(
+                f"in distributed mode scaler must be a torch.distributed.fsdp.sharded_grad_scaler."
+                f"ShardedGradScaler, got {type(scaler).__name__}: each rank holds only its stages' "
+                "gradients, and a ShardedGradScaler combines found-inf over its process group so "
+                "every rank skips the same steps")
+        mine, theirs = (set(dist.get_process_group_ranks(g or dist.group.WORLD))
+                        for g in (group, scaler.process_group))
+        if not mine <= theirs:
+            raise ValueError(f"the ShardedGradScaler's process group (ranks {sorted(theirs)}) must "
+                             f"hold every pipeline rank (global ranks {sorted(mine)})")
     if not scaler.is_enabled():
         return None
     return scaler.scale(torch.ones((), device=device)).item()

@@ -199,9 +199,9 @@ class Pipe(nn.Module):
         Inside ``torch.autocast(...)`` the forwards, the loss and any
         recomputation run under the caller's region and the backward outside
         it, as in the usual AMP loop, on every rank. ``scaler`` (a
-        ``torch.amp.GradScaler``, local mode): the backward runs from the
-        scaled loss, the loss returned is unscaled; then ``scaler.step`` and
-        ``scaler.update`` as usual.
+        ``torch.amp.GradScaler``; distributed: a ``ShardedGradScaler`` over
+        the pipeline's ranks): the backward runs from the scaled loss, the
+        loss returned is unscaled; then ``scaler.step`` and ``update`` as usual.
 
         Returns:
             The mean over microbatches of ``loss_fn``, detached, on every rank.
@@ -257,7 +257,8 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        factor = _args.loss_scale(scaler, self.distributed, self.devices[self.schedule.stage_to_rank[-1]])
+        last = self.devices[self.schedule.stage_to_rank[-1]] if not self.distributed else self.devices[self.rank]
+        factor = _args.loss_scale(scaler, self.group, self.distributed, last)
         if self._stages is None:
             self._place.split_by_time(x)
         if not self._weights_checked:

@@ -35,6 +35,9 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             if case.get("soak"):
                 results.append(_soak(case))
                 continue
+            if case.get("scaler"):
+                results.append(_scaler(case))
+                continue
             group = None
             if case.get("pairs"):  # two pipelines side by side: ranks (0, 1) and (2, 3)
                 if pairs is None:  # every rank makes every subgroup, in the same order
@@ -141,6 +144,38 @@ def _train(case: dict) -> dict:
         losses.append(pipe.step(x, y, nn.functional.mse_loss).item())
         opt.step()
     return {"losses": losses}
+
+
+def _scaler(case: dict) -> dict:
+    """step(scaler=) with a ShardedGradScaler: the step's loss and this rank's
+    gradients; then rank 0 finds an inf, and every rank must skip the
+    optimizer step and halve its scale. A plain GradScaler is refused."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fastpipe import Pipe
+    from tests import models
+
+    model = models.mlp(depth=8)
+    pipe = Pipe(model, chunks=4, schedule=case["scaler"], stages_per_rank=SPR.get(case["scaler"]),
+                timeout=60)
+    x, y = case["batch"]
+    try:
+        pipe.step(x, y, nn.functional.mse_loss, scaler=torch.amp.GradScaler("cpu"))
+    except TypeError as exc:
+        refused = str(exc)
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    loss = pipe.step(x, y, nn.functional.mse_loss, scaler=scaler)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if dist.get_rank() == 0:
+        next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    stepped = any(not torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
+    pipe.close()
+    return {"loss": loss, "grads": grads, "scale": scaler.get_scale(), "stepped": stepped,
+            "refused": refused}
 
 
 def _resources() -> dict:

@@ -238,11 +238,12 @@ def test_step_refuses_a_scaler_that_is_not_one():
     pipe.close()
 
 
-def test_a_scaler_is_refused_in_distributed_mode_with_the_reason():
+def test_a_plain_grad_scaler_is_refused_in_distributed_mode_with_the_fix():
     from fastpipe._args import loss_scale
 
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    with pytest.raises(NotImplementedError, match="local mode only.*bf16"):
-        loss_scale(scaler, True, torch.device("cpu"))
-    assert loss_scale(scaler, False, torch.device("cpu")) == 8.0
-    assert loss_scale(None, True, torch.device("cpu")) is None
+    with pytest.raises(TypeError, match="must be a torch.distributed.fsdp.sharded_grad_scaler."
+                                        "ShardedGradScaler, got GradScaler"):
+        loss_scale(scaler, None, True, torch.device("cpu"))
+    assert loss_scale(scaler, None, False, torch.device("cpu")) == 8.0
+    assert loss_scale(None, None, True, torch.device("cpu")) is None

@@ -447,3 +447,23 @@ def test_flow_groups_are_made_once_and_forgotten_with_their_world(tmp_path):
             assert len(transport._FLOW_GROUPS) == 1
         finally:
             dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_two_ranks_step_with_a_sharded_grad_scaler(schedule, tmp_path):
+    """Scaled backward and unscaled loss on every rank; an inf on one rank
+    makes every rank skip the optimizer step and back off its scale."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    ref_loss, ref_grads = models.reference(models.mlp(depth=8), x, y, nn.functional.mse_loss, 4)
+    results = _spawn(2, [{"scaler": schedule, "batch": (x, y)}], tmp_path)
+    held = {}
+    for (result,) in results:
+        torch.testing.assert_close(result["loss"], ref_loss)
+        held.update(result["grads"])
+        assert result["scale"] == 512.0 and not result["stepped"]
+        assert "ShardedGradScaler, got GradScaler" in result["refused"]
+    assert set(held) == set(ref_grads)
+    for name, g in held.items():
+        torch.testing.assert_close(g, ref_grads[name] * 1024.0, msg=name)
