@@ -21,7 +21,7 @@ from fastpipe.schedules import Action, Kind, Schedule, build
 
 __all__ = [
     "Settings", "Switches", "check_chunks", "check_model", "check_timeout", "forward_schedule", "from_plan", "loss_scale", "mesh_groups",
-    "named_split", "raise_first", "ranges", "resolve_balance", "resolve_devices", "resolve_schedule", "settings",
+    "named_split", "raise_first", "ranges", "resolve_balance", "resolve_devices", "resolve_schedule", "scaled_loss", "settings",
     "switches",
 ]
 
@@ -148,9 +148,10 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
 
 
 def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,
-               device: torch.device) -> float | None:
-    """The factor ``step(scaler=)`` scales losses by now, or None (no
-    scaler, or a disabled one).
+               device: torch.device) -> torch.Tensor | None:
+    """The factor ``step(scaler=)`` scales losses by now, a 0-dim tensor on
+    ``device`` (read without a host sync), or None (no scaler, or a
+    disabled one).
 
     In distributed mode each rank's scaler sees only its own stages'
     gradients, so ranks must agree on a step with an inf: the scaler must be
@@ -182,7 +183,17 @@ def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,
                              f"hold every pipeline rank (global ranks {sorted(mine)})")
     if not scaler.is_enabled():
         return None
-    return scaler.scale(torch.ones((), device=device)).item()
+    return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
+
+
+def scaled_loss(loss_fn, factor: torch.Tensor):
+    """``loss_fn`` times ``factor``, as ``scaler.scale(loss)`` (no host sync)."""
+
+    def scaled(out, target):
+        loss = loss_fn(out, target)
+        return loss * factor.to(loss.device) if isinstance(loss, torch.Tensor) else loss
+
+    return scaled
 
 
 def _check_flags(**flags: tuple[Any, bool]) -> None:

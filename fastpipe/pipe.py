@@ -238,7 +238,7 @@ class Pipe(nn.Module):
                 averaging = True
                 loss = average.average(loss)
             if factor is not None:
-                loss = loss / factor
+                loss = loss / factor.to(loss.device)
         except BaseException as exc:
             if tied is not None:
                 tied.restore()  # .grad as before the step, the step's share dropped
@@ -249,7 +249,7 @@ class Pipe(nn.Module):
             raise
         return loss
 
-    def _begin_step(self, x: Any, loss_fn: LossFn, scaler) -> tuple[LossFn, float | None]:
+    def _begin_step(self, x: Any, loss_fn: LossFn, scaler) -> tuple[LossFn, torch.Tensor | None]:
         """Checks a step's arguments, makes the stages (``balance="auto"``) and
         compares copies (first step); ``(loss_fn, factor)``, scaled by ``scaler``."""
         if not torch.is_grad_enabled():
@@ -264,9 +264,7 @@ class Pipe(nn.Module):
         if not self._weights_checked:
             self._place.check_weights()
             self._weights_checked = True
-        if factor is None:
-            return loss_fn, None
-        return (lambda out, tgt: loss_fn(out, tgt) * factor), factor
+        return (loss_fn if factor is None else _args.scaled_loss(loss_fn, factor)), factor
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
         """Like ``step``, and also returns the step's measured timeline.
