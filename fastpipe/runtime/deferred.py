@@ -372,6 +372,8 @@ def _storage(t: torch.Tensor) -> int:
 
 _state = threading.local()
 _UNSET = object()
+_grad_enabled = torch.is_grad_enabled
+_FunctionBase = torch._C._FunctionBase  # a Python autograd.Function's node: no GradientEdge of its own
 
 
 @contextmanager
@@ -408,7 +410,7 @@ class _Forward:
 
     def __call__(self, x, *args, **kwargs):
         pending = getattr(_state, "pending", None)
-        if pending is None or args or kwargs or not torch.is_grad_enabled():
+        if pending is None or args or kwargs or not _grad_enabled():
             return self.plain(x, *args, **kwargs)
         module, rule = self.module, self.rule
         params = rule.params(module)
@@ -427,7 +429,7 @@ class _Forward:
         pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer, layer))
         fn = out.grad_fn
         pending.edges.append(GradientEdge(fn, out.output_nr) if fn is not None and not isinstance(
-            fn, torch._C._FunctionBase) else get_gradient_edge(out))
+            fn, _FunctionBase) else get_gradient_edge(out))
         return out
 
     def _prepare(self, params: tuple) -> tuple:

@@ -40,16 +40,18 @@ class LinearRule(WeightRule):
         low = _amp_dtype(x)
         if low is not None and x.dtype != low and x.is_floating_point():
             x = x.to(low)
-        return F.linear(x, *detached), (x.detach().reshape(-1, x.shape[-1]),), None
+        # Kept as it came (rows2d at W): a reshape per call is felt in F.
+        return F.linear(x, *detached), (x.detach(),), None
 
     def weight_grads(self, kept, meta, targets, g):
         g2 = g.reshape(-1, g.shape[-1])
         pw, pb = targets
-        return (torch.mm(g2.t(), kept[0]) if pw is not None else None,
+        return (torch.mm(g2.t(), _rows2d(kept[0])) if pw is not None else None,
                 g2.sum(0) if pb is not None else None)
 
     def rows(self, kept, meta):
-        return kept[0].shape[0]
+        x = kept[0]
+        return x.numel() // x.shape[-1]
 
     def native(self, targets, meta, chain):
         return chain.WeightLayer(0, list(targets), [], [], 0.0)
@@ -57,9 +59,13 @@ class LinearRule(WeightRule):
     def gather(self, entries):
         if len(entries) == 1:
             e = entries[0]
-            return _linear_grads(e.params, e.g.reshape(-1, e.g.shape[-1]), e.saved[0])
-        g = torch.cat([e.g.reshape(-1, e.g.shape[-1]) for e in entries])
-        return _linear_grads(entries[0].params, g, torch.cat([e.saved[0] for e in entries]))
+            return _linear_grads(e.params, _rows2d(e.g), _rows2d(e.saved[0]))
+        g = torch.cat([_rows2d(e.g) for e in entries])
+        return _linear_grads(entries[0].params, g, torch.cat([_rows2d(e.saved[0]) for e in entries]))
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
 def _linear_grads(targets, g2: torch.Tensor, x2: torch.Tensor):
