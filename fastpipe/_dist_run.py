@@ -49,16 +49,15 @@ class DistRunner:
         self.cfg = cfg
         self.group, self.rank, self.schedule, self.devices = cfg.group, cfg.rank, cfg.schedule, cfg.devices
         self.timeout, self.overlap, self.wire, self.exact = cfg.timeout, cfg.overlap, cfg.wire, cfg.exact
-        group, rank, schedule, devices, exact = cfg.group, cfg.rank, cfg.schedule, cfg.devices, cfg.exact
         self.nccl = cfg.nccl
         self.shm_link = self._connect_shm(cfg.shm)
         # Messages up and down the ranks on separate groups (see flow_groups).
-        split = self.shm_link is None and dist.get_backend(group) in ("gloo", "nccl")
-        self.p2p_groups = flow_groups(group) if split else {}
-        self.late_groups = late_groups(group) if exact else {}
-        if exact:  # NCCL's pair communicators, each made before any step
-            connect_pairs([*(self.p2p_groups.values() or [group]), *self.late_groups.values()], group,
-                          schedule.stage_to_rank, rank, devices[rank])
+        split = self.shm_link is None and dist.get_backend(cfg.group) in ("gloo", "nccl")
+        self.p2p_groups = flow_groups(cfg.group) if split else {}
+        self.late_groups = late_groups(cfg.group) if cfg.exact else {}
+        if cfg.exact:  # NCCL's pair communicators, each made before any step
+            connect_pairs([*(self.p2p_groups.values() or [cfg.group]), *self.late_groups.values()],
+                          cfg.group, cfg.schedule.stage_to_rank, cfg.rank, cfg.devices[cfg.rank])
         self.transport = None
         self._lanes = RingLanes(cfg.timeout, cfg.overlap)
         self.broken: BaseException | None = None
