@@ -63,6 +63,8 @@ class Switches:
     shm_bytes: str = ""  # FASTPIPE_SHM_BYTES, as given: parsed by the collective set-up, which refuses it on every rank
     copies: bool | None = None  # FASTPIPE_COPY_LANES=1: local transfers as copies on lanes on CPUs too (None: on GPUs)
     switch_interval: float | None = None  # FASTPIPE_SWITCH_INTERVAL: the GIL's, in seconds, while local ranks run
+    exact_messages: bool = False  # FASTPIPE_EXACT_MESSAGES=1: NCCL's message rules on gloo too
+    shm_off: bool = False  # FASTPIPE_SHM=0: shm=None means False
 
 
 def switches(environ=os.environ) -> Switches:
@@ -85,7 +87,9 @@ def switches(environ=os.environ) -> Switches:
     return Switches(chains=modes[chain], gather_w=environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0",
                     shm_bytes=environ.get("FASTPIPE_SHM_BYTES", ""),
                     copies=True if environ.get("FASTPIPE_COPY_LANES") == "1" else None,
-                    switch_interval=seconds)
+                    switch_interval=seconds,
+                    exact_messages=environ.get("FASTPIPE_EXACT_MESSAGES") == "1",
+                    shm_off=environ.get("FASTPIPE_SHM", "1") == "0")
 
 
 def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, group, mesh, timeout,
@@ -97,6 +101,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         TypeError / ValueError: naming the first argument that is wrong and its value.
     """
     check_model(model)
+    env = switches()
     _check_flags(shm=(shm, True), fused_wgrad=(fused_wgrad, False), free_remote=(free_remote, False),
                  overlap=(overlap, True))
     if plan is not None:
@@ -121,7 +126,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
     devices = resolve_devices(devices, ranks, distributed, group)
     ranks = len(devices) if ranks is None else ranks
     nccl = distributed and dist.get_backend(group) == "nccl"
-    exact = distributed and (nccl or os.environ.get("FASTPIPE_EXACT_MESSAGES") == "1")
+    exact = distributed and (nccl or env.exact_messages)
     if exact and overlap:
         raise ValueError("overlap=True is not supported on NCCL: its P2P already runs on NCCL's own "
                          "streams, and fastpipe issues it from the rank's compute stream (leave "
@@ -129,7 +134,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
     resolved = resolve_schedule(schedule, ranks, chunks, stages_per_rank)
     if isinstance(balance, str) and balance != "auto":
         raise ValueError(f"balance must be a list of ints, None or 'auto', got {balance!r}")
-    if shm is None and os.environ.get("FASTPIPE_SHM", "1") == "0":
+    if shm is None and env.shm_off:
         shm = False
     if shm and not distributed:
         raise ValueError("shm=True applies to distributed mode (ranks in separate processes); "
@@ -144,7 +149,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         exact=exact, timeout=check_timeout(timeout),
         overlap=overlap if overlap is not None else not exact and any(d.type != "cpu" for d in devices),
         checkpoint=checkpoint, recompute=recompute, wire={"F": wire_dtype, "B": grad_wire_dtype},
-        fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=switches())
+        fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=env)
 
 
 def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,
