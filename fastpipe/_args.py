@@ -60,6 +60,7 @@ class Switches:
 
     chains: str = "on"  # FASTPIPE_CHAIN: "on", "off" (autograd), "python" (ops issued from Python, local mode too)
     gather_w: bool = True  # FASTPIPE_CHAIN_GATHER=0: each W at once, autograd's rounding
+    known_losses: bool = True  # FASTPIPE_KNOWN_LOSS=0: a loss after a chain stage through autograd
     shm_bytes: str = ""  # FASTPIPE_SHM_BYTES, as given: parsed by the collective set-up, which refuses it on every rank
     copies: bool | None = None  # FASTPIPE_COPY_LANES=1: local transfers as copies on lanes on CPUs too (None: on GPUs)
     switch_interval: float | None = None  # FASTPIPE_SWITCH_INTERVAL: the GIL's, in seconds, while local ranks run
@@ -85,6 +86,7 @@ def switches(environ=os.environ) -> Switches:
     if seconds is not None and not seconds > 0:
         raise ValueError(f"FASTPIPE_SWITCH_INTERVAL must be a number of seconds > 0, got {interval!r}")
     return Switches(chains=modes[chain], gather_w=environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0",
+                    known_losses=environ.get("FASTPIPE_KNOWN_LOSS", "1") != "0",
                     shm_bytes=environ.get("FASTPIPE_SHM_BYTES", ""),
                     copies=True if environ.get("FASTPIPE_COPY_LANES") == "1" else None,
                     switch_interval=seconds,

@@ -81,7 +81,8 @@ class DistRunner:
         cfg = self.cfg
         executor = RankExecutor(self.rank, schedule, stages, transport, cfg.checkpoint,
                                 fused_wgrad=cfg.fused_wgrad, autocast=autocast_state(),
-                                gather_w=cfg.switches.gather_w, grads_done=grads_done)
+                                gather_w=cfg.switches.gather_w,
+                                known_losses=cfg.switches.known_losses, grads_done=grads_done)
         if recording is not None:
             dist.barrier(group=self.group)  # every rank's clock starts together
             executor.records = recording

@@ -94,7 +94,8 @@ class LocalRunner:
             executor = RankExecutor(rank, schedule, stages[rank], transports[rank], cfg.checkpoint,
                                     rng_lock, keep_graphs=True, fused_wgrad=cfg.fused_wgrad,
                                     autocast=amp, python_chains=cfg.switches.chains == "python",
-                                    rng_seed=rng_seed, gather_w=cfg.switches.gather_w)
+                                    rng_seed=rng_seed, gather_w=cfg.switches.gather_w,
+                                    known_losses=cfg.switches.known_losses)
             if recording is not None:
                 executor.records, executor.origin = [], origin
             try:

@@ -285,9 +285,10 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
 
 def test_switches_are_read_from_the_environment_when_a_pipe_is_built(monkeypatch):
     for name in ("FASTPIPE_CHAIN", "FASTPIPE_CHAIN_GATHER", "FASTPIPE_COPY_LANES",
-                 "FASTPIPE_SWITCH_INTERVAL", "FASTPIPE_SHM_BYTES", "FASTPIPE_EXACT_MESSAGES", "FASTPIPE_SHM"):
+                 "FASTPIPE_SWITCH_INTERVAL", "FASTPIPE_SHM_BYTES", "FASTPIPE_EXACT_MESSAGES", "FASTPIPE_SHM",
+                 "FASTPIPE_KNOWN_LOSS"):
         monkeypatch.delenv(name, raising=False)
-    assert switches() == Switches(chains="on", gather_w=True, shm_bytes="", copies=None,
+    assert switches() == Switches(chains="on", gather_w=True, known_losses=True, shm_bytes="", copies=None,
                                   switch_interval=None, exact_messages=False, shm_off=False)
     monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")
     monkeypatch.setenv("FASTPIPE_CHAIN", "python")

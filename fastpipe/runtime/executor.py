@@ -141,6 +141,8 @@ class RankExecutor(StageCompute):
         gather_w: deferred W of several microbatches gathered into one GEMM
             per layer, fused into ``.grad`` (``deferred.WeightQueue``); False
             runs each W at once, with autograd's rounding.
+        known_losses: a known loss after a chain stage gives its value and
+            gradient at once (``fastpipe.runtime.losses``); False: autograd.
         grads_done: training: called with a stage's index once its step's
             gradients are all in ``.grad`` (after its last B or W, its
             gathered W work run at once), while the rank goes on with its
@@ -161,12 +163,13 @@ class RankExecutor(StageCompute):
         python_chains: bool = True,
         rng_seed: int | None = None,
         gather_w: bool = True,
+        known_losses: bool = True,
         grads_done: Callable[[int], None] | None = None,
     ) -> None:
         self.rank = rank
         self.grads_done = grads_done
         self.python_chains = python_chains
-        self.gather_w = gather_w
+        self.gather_w, self.known_losses = gather_w, known_losses
         self._amp, self._amp_cache = autocast
         self.keep_graphs, self.fused_wgrad = keep_graphs, fused_wgrad
         self.checkpoint, self.rng_lock = checkpoint, rng_lock
@@ -281,7 +284,8 @@ class RankExecutor(StageCompute):
         }
         # A known loss after a chain stage is computed with its gradient, no graph.
         last = self.schedule.stages - 1
-        self._known_loss = known_loss(loss_fn) if train and last in self._chains else None
+        self._known_loss = known_loss(loss_fn) if train and self.known_losses and last in self._chains \
+            else None
         # A split schedule (I and W actions), or fused_wgrad: the other
         # stages' layers defer their weight gradients to W, or to the end of
         # B (``fastpipe.runtime.deferred``).
