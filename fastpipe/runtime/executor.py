@@ -273,7 +273,7 @@ class RankExecutor(StageCompute):
         self._weights: dict[tuple[int, int], deferred.Pending] = {}
         self._results: dict[int, Any] = {}
         # Gradients of the first stage's inputs, by microbatch: the caller
-        # carries them into its own tensors (Pipe._backward_into_inputs).
+        # carries them into its own tensors (fastpipe._outputs.backward_into_inputs).
         self.input_grads: dict[int, list[torch.Tensor]] = {}
         self._held: dict[tuple[int, int], list] = {}  # received buffers in use
         self._sent: set[tuple[str, int, int]] = set()
