@@ -257,8 +257,9 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        last = self.devices[self.schedule.stage_to_rank[-1]] if not self.distributed else self.devices[self.rank]
-        factor = _args.loss_scale(scaler, self.group, self.distributed, last)
+        # The loss is computed on the last stage's device (local mode), or this rank's.
+        device = self.devices[self.rank if self.distributed else self.schedule.stage_to_rank[-1]]
+        factor = _args.loss_scale(scaler, self.group, self.distributed, device)
         if self._stages is None:
             self._place.split_by_time(x)
         if not self._weights_checked:
