@@ -66,32 +66,37 @@ class Switches:
     switch_interval: float | None = None  # FASTPIPE_SWITCH_INTERVAL: the GIL's, in seconds, while local ranks run
     exact_messages: bool = False  # FASTPIPE_EXACT_MESSAGES=1: NCCL's message rules on gloo too
     shm_off: bool = False  # FASTPIPE_SHM=0: shm=None means False
+    problem: str | None = None  # the switches that could not be read, raised on every rank
 
 
 def switches(environ=os.environ) -> Switches:
-    """The switches as ``environ`` sets them.
-
-    Raises:
-        ValueError: naming the variable and its value.
-    """
-    chain = environ.get("FASTPIPE_CHAIN", "1")
-    modes = {"1": "on", "on": "on", "0": "off", "off": "off", "python": "python"}
-    if chain not in modes:
-        raise ValueError(f"FASTPIPE_CHAIN must be 1, 0 or python, got {chain!r}")
-    interval = environ.get("FASTPIPE_SWITCH_INTERVAL")
+    """The switches as ``environ`` sets them. A value it cannot read leaves
+    that switch at its default and is named in ``problem``, which the Pipe
+    raises as a ValueError on every rank (a rank raising alone would leave
+    the others waiting in the set-up's collectives)."""
+    problems = []
+    chain = environ.get("FASTPIPE_CHAIN", "") or "1"
+    modes = {"1": "on", "on": "on", "true": "on", "0": "off", "off": "off", "false": "off",
+             "python": "python"}
+    if chain.lower() not in modes:
+        problems.append(f"FASTPIPE_CHAIN must be 1, 0 or python, got {chain!r}")
+    interval = environ.get("FASTPIPE_SWITCH_INTERVAL") or None
     try:
         seconds = None if interval is None else float(interval)
     except ValueError:
         seconds = -1.0
     if seconds is not None and not seconds > 0:
-        raise ValueError(f"FASTPIPE_SWITCH_INTERVAL must be a number of seconds > 0, got {interval!r}")
-    return Switches(chains=modes[chain], gather_w=environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0",
+        problems.append(f"FASTPIPE_SWITCH_INTERVAL must be a number of seconds > 0, got {interval!r}")
+        seconds = None
+    return Switches(chains=modes.get(chain.lower(), "on"),
+                    gather_w=environ.get("FASTPIPE_CHAIN_GATHER", "1") != "0",
                     known_losses=environ.get("FASTPIPE_KNOWN_LOSS", "1") != "0",
                     shm_bytes=environ.get("FASTPIPE_SHM_BYTES", ""),
                     copies=True if environ.get("FASTPIPE_COPY_LANES") == "1" else None,
                     switch_interval=seconds,
                     exact_messages=environ.get("FASTPIPE_EXACT_MESSAGES") == "1",
-                    shm_off=environ.get("FASTPIPE_SHM", "1") == "0")
+                    shm_off=environ.get("FASTPIPE_SHM", "1") == "0",
+                    problem="; ".join(problems) or None)
 
 
 def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, group, mesh, timeout,
@@ -124,6 +129,8 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
             raise ValueError("pass group= or mesh=, not both: the mesh's 'pp' dimension is the group")
         group, dp_group = mesh_groups(mesh)
     distributed = group is not None or (dist.is_available() and dist.is_initialized())
+    if env.problem is not None and not distributed:  # distributed: Placement raises it on every rank
+        raise ValueError(env.problem)
     ranks = dist.get_world_size(group) if distributed else None
     devices = resolve_devices(devices, ranks, distributed, group)
     ranks = len(devices) if ranks is None else ranks
@@ -174,6 +181,8 @@ def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,
         return None
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    if not scaler.is_enabled():  # GradScaler(enabled=False): nothing to scale, any kind will do
+        return None
     if distributed:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -188,13 +197,13 @@ def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,
         if not mine <= theirs:
             raise ValueError(f"the ShardedGradScaler's process group (ranks {sorted(theirs)}) must "
                              f"hold every pipeline rank (global ranks {sorted(mine)})")
-    if not scaler.is_enabled():
-        return None
     return scaler.scale(torch.ones((), dtype=torch.float32, device=device))
 
 
 def scaled_loss(loss_fn, factor: torch.Tensor):
-    """``loss_fn`` times ``factor``, as ``scaler.scale(loss)`` (no host sync)."""
+    """``loss_fn`` times ``factor``, as ``scaler.scale(loss)`` (no host sync).
+    A known loss wrapped so is not known any more: after a chain stage it
+    goes through autograd (``runtime/losses.py``)."""
 
     def scaled(out, target):
         loss = loss_fn(out, target)

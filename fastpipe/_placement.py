@@ -146,7 +146,7 @@ class Placement:
         groups = [(cfg.group, "pipeline ranks")]
         if cfg.dp_group is not None:
             groups.append((cfg.dp_group, "data-parallel replicas"))
-        ranks_agree(mine, self.problem, groups)
+        ranks_agree(mine, self.problem or cfg.switches.problem, groups)
 
     def check_weights(self) -> None:
         """Copies of one tensor on several ranks (a parameter tied across

@@ -267,7 +267,7 @@ class Pipe(nn.Module):
             self._weights_checked = True
         return (loss_fn if factor is None else _args.scaled_loss(loss_fn, factor)), factor
 
-    def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn):
+    def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn, scaler=None):
         """Like ``step``, and also returns the step's measured timeline.
 
         Returns:
@@ -279,7 +279,7 @@ class Pipe(nn.Module):
 
         self._recording = []
         try:
-            loss = self.step(x, target, loss_fn)
+            loss = self.step(x, target, loss_fn, scaler)
             records = self._recording
         finally:
             self._recording = None

@@ -289,7 +289,7 @@ def test_switches_are_read_from_the_environment_when_a_pipe_is_built(monkeypatch
                  "FASTPIPE_KNOWN_LOSS"):
         monkeypatch.delenv(name, raising=False)
     assert switches() == Switches(chains="on", gather_w=True, known_losses=True, shm_bytes="", copies=None,
-                                  switch_interval=None, exact_messages=False, shm_off=False)
+                                  switch_interval=None, exact_messages=False, shm_off=False, problem=None)
     monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")
     monkeypatch.setenv("FASTPIPE_CHAIN", "python")
     pipe = Pipe(chain_model(), chunks=2, schedule="1f1b", devices=["cpu", "cpu"])

@@ -247,3 +247,14 @@ def test_a_plain_grad_scaler_is_refused_in_distributed_mode_with_the_fix():
         loss_scale(scaler, None, True, torch.device("cpu"))
     assert loss_scale(scaler, None, False, torch.device("cpu")) == 8.0
     assert loss_scale(None, None, True, torch.device("cpu")) is None
+    # GradScaler(enabled=use_fp16) with fp16 off scales nothing: accepted anywhere
+    assert loss_scale(torch.amp.GradScaler("cpu", enabled=False), None, True, torch.device("cpu")) is None
+
+
+def test_an_exception_note_is_kept_where_add_note_is_missing():
+    from fastpipe.runtime.executor import _add_note
+
+    exc = KeyError("k")
+    _add_note(exc, "first")
+    _add_note(exc, "second")
+    assert exc.__notes__ == ["first", "second"]

@@ -167,6 +167,16 @@ def test_a_bad_ring_size_on_one_rank_fails_every_rank_and_a_good_one_trains(tmp_
 
 
 @pytest.mark.timeout(120)
+def test_a_switch_one_rank_cannot_read_fails_every_rank(tmp_path):
+    """Raised on one rank alone, the others would wait in the set-up's collectives."""
+    env = {1: {"FASTPIPE_CHAIN": "sometimes"}}
+    (r0, r1), _ = _run({"fault": "none", "env_by_rank": env}, tmp_path)
+    for res in (r0, r1):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert "rank 1: FASTPIPE_CHAIN must be 1, 0 or python, got 'sometimes'" in res["message"]
+
+
+@pytest.mark.timeout(120)
 def test_nan_loss_is_a_value(tmp_path):
     (r0, r1), _ = _run({"fault": "nan"}, tmp_path)
     assert r0["ok"] and r1["ok"]

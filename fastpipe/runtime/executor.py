@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import contextlib
 import threading
 import time
 from contextlib import nullcontext
@@ -86,6 +87,12 @@ class Stage:
         """Re-reads the parameters, after a module's entries changed (local
         mode swaps replicas of parameters tied across ranks in for a call)."""
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10 (no PEP 678) ``__notes__`` alone."""
+    with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]
 
 
 def _names(module: nn.Module, most: int = 4) -> list[str]:
@@ -338,7 +345,7 @@ class RankExecutor(StageCompute):
                 self._flush_deferred(origin)
         except Exception as exc:
             if not isinstance(exc, PeerError):  # a peer's failure names its own place
-                exc.add_note(self._where(action))
+                _add_note(exc, self._where(action))
             raise
         self.transport.finish()
 

@@ -84,7 +84,7 @@ def autocast(regions: Autocast, cache: bool = True, enabled: bool = True) -> Ite
 # stage's kernels, so a rank woken by a message may wait up to the
 # interpreter's switch interval (5 ms by default) before it runs. A shorter
 # interval is a lead, not a default: on one GPU it gave no clear gain
-# (docs/benchmarks.md, "Lane threads"). ``LocalRunner.switch_interval`` applies
+# (docs/benchmarks.md, "Lane threads"). ``FASTPIPE_SWITCH_INTERVAL`` applies
 # one during local steps; the device check measures it.
 SHORT_SWITCH_INTERVAL = 2e-4
 
