@@ -11,6 +11,7 @@ groups" and "NCCL's rules".
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,16 @@ __all__ = ["connect_pairs", "flow_groups", "late_groups"]
 
 _FLOW_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 _LATE_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
+
+
+@atexit.register
+def _forget_groups() -> None:
+    """Drops the cached groups while the interpreter is whole. Kept until
+    finalization, a group's gloo worker thread could free a work holding a
+    Python tensor then, take the GIL, and abort the process (the caches keep
+    even a world the user destroyed alive)."""
+    _FLOW_GROUPS.clear()
+    _LATE_GROUPS.clear()
 
 
 def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
