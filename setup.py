@@ -86,7 +86,7 @@ def chain_extension():
                    ("HAVE_AVX2_CPU_DEFINITION", None)]
     return CppExtension(
         "fastpipe._chain",
-        ["csrc/chain/chain.cpp", "csrc/chain/wgrad.cpp"],
+        ["csrc/chain/chain.cpp", "csrc/chain/wgrad.cpp", "csrc/chain/defer.cpp"],
         define_macros=macros,
         extra_compile_args=["-O2", "-g0", "-std=c++20", "-fvisibility=hidden"],
     )

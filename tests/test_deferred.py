@@ -116,6 +116,115 @@ def _embedding_rule_with_padding_and_frequency_scaling(fuse: bool):
             assert not emb.weight.grad[2].any()
 
 
+NATIVE_FORWARD_LAYERS = {
+    **LAYERS,
+    "embedding": (lambda: nn.Embedding(9, 7), None),
+    "embedding-padding": (lambda: nn.Embedding(9, 7, padding_idx=2), None),
+    "embedding-frequency": (lambda: nn.Embedding(9, 7, scale_grad_by_freq=True), None),
+}
+
+
+def _calls(name: str, autocast: bool, path: str, monkeypatch) -> tuple[list, list, list, int]:
+    """Three microbatches through one layer (+ Tanh) under ``collecting``,
+    deferred by the native forward or the Python one; returns the outputs,
+    the input gradients after I, the parameter gradients after W, and how
+    many calls the Python forward ran."""
+    build, shape = NATIVE_FORWARD_LAYERS[name]
+    torch.manual_seed(0)
+    layer = nn.Sequential(build(), nn.Tanh())
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 9, (2, 5), generator=gen) if shape is None else
+          torch.randn(shape, generator=gen, requires_grad=True) for _ in range(3)]
+    slow = []
+    real = deferred._Forward.__call__
+    with monkeypatch.context() as m:
+        if path == "python":
+            m.setattr(deferred, "native_chain", lambda: None)
+        m.setattr(deferred._Forward, "__call__", lambda self, *a, **k: slow.append(1) or real(self, *a, **k))
+        layers = deferred.install(layer)
+        outs, gxs, entries = [], [], []
+        try:
+            for x in xs:
+                pending = deferred.Pending()
+                with deferred.collecting(pending), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                    out = layer(x)
+                outs.append(out.detach())
+                leaves = [x] if x.requires_grad else []
+                gxs += deferred.backward_input([out], [torch.ones_like(out)], leaves,
+                                               list(layer.parameters()), pending)
+                assert len(pending.entries) == 1
+                entries += pending.entries
+            deferred.run_weight(entries, fuse=False)
+        finally:
+            deferred.uninstall(layers)
+    return outs, gxs, [p.grad for p in layer.parameters()], len(slow)
+
+
+@pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("name", list(NATIVE_FORWARD_LAYERS))
+def test_native_forward_is_the_python_forward_bit_for_bit(name, autocast, monkeypatch):
+    """The C++ deferring forward runs every call after a step's first (which
+    makes its plan) and gives the Python forward's outputs, input gradients
+    and weight gradients exactly, under bf16 autocast too."""
+    native = _calls(name, autocast, "native", monkeypatch)
+    python = _calls(name, autocast, "python", monkeypatch)
+    assert native[3] == 1 and python[3] == 3
+    for a, b in zip(native[:3], python[:3]):
+        for u, v in zip(a, b):
+            assert (u is None) == (v is None)
+            if u is not None:
+                torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
+def test_native_forward_steps_aside():
+    """Calls the plan does not cover go to the Python forward: a swapped-in
+    parameter (deferred into the new one), a keyword argument, a
+    torch-function mode, a tensor subclass, grad mode off."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3).double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    layers = deferred.install(lin)
+    try:
+        fast = lin.__dict__["forward"]
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            lin(x)
+            assert fast.planned
+            new = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+            lin.weight = new  # the plan no longer matches: re-planned for it
+            out = lin(x)
+            assert pending.entries[-1].params[0] is new
+            torch.testing.assert_close(out, x @ new.T + lin.bias, rtol=0, atol=0)
+
+            class Sub(torch.Tensor):
+                pass
+
+            class Seen(torch.overrides.TorchFunctionMode):
+                def __torch_function__(self, func, types, args=(), kwargs=None):
+                    seen.append(func)
+                    return func(*args, **(kwargs or {}))
+
+            n, seen = len(pending.entries), []
+            torch.testing.assert_close(lin(input=x), out, rtol=0, atol=0)
+            with Seen():
+                lin(x)
+            assert torch._C._nn.linear in seen  # the mode saw the op: Python ran it
+            lin(x.as_subclass(Sub))
+            with torch.no_grad():
+                lin(x)  # not deferred at all
+            assert len(pending.entries) == n + 2
+        assert len(pending.entries) == len(pending.edges)
+        with deferred.collecting(deferred.Pending()):
+            pass
+        lin(x)  # outside collecting: the plain forward, nothing appended
+        assert len(pending.entries) == n + 2
+    finally:
+        deferred.uninstall(layers)
+    assert "forward" not in lin.__dict__
+
+
 def test_frozen_parameters_and_hooks_keep_autograd():
     """A frozen weight gets nothing; a watched weight's layer takes the plain
     path (its hook runs, in I); the rest defers."""

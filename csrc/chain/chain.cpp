@@ -21,6 +21,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
 
+#include "defer.h"
 #include "wgrad.h"
 
 #include <cstdint>
@@ -257,6 +258,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("built_with_torch") = FASTPIPE_BUILT_WITH_TORCH;  // torch.__version__ at build time
 #endif
   fastpipe::register_wgrad(m);
+  fastpipe::register_defer(m);
   m.def("accumulator_hooked", &fastpipe::accumulator_hooked, py::arg("params"),
         "Whether a live AccumulateGrad node of one of these parameters carries hooks.");
   py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved");

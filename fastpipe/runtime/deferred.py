@@ -380,11 +380,16 @@ _FunctionBase = torch._C._FunctionBase  # a Python autograd.Function's node: no 
 def collecting(pending: Pending) -> Iterator[Pending]:
     """Layers with a rule called on this thread inside defer into ``pending``."""
     outer = getattr(_state, "pending", None)
+    chain = native_chain()
     _state.pending = pending
+    if chain is not None:  # where the native deferring forwards append
+        chain.set_pending(pending.entries, pending.edges)
     try:
         yield pending
     finally:
         _state.pending = outer
+        if chain is not None:
+            chain.set_pending(*((outer.entries, outer.edges) if outer is not None else (None, None)))
 
 
 class _Forward:
@@ -407,11 +412,25 @@ class _Forward:
         # [params, targets, detached params or None where the call cannot
         # defer, the native WeightLayer (_UNSET until the first call makes it)]
         self.plan: list | None = None
+        # The native deferring forward (fastpipe._chain.DeferringForward)
+        # set on the module in this object's place, for the built-in rules:
+        # it runs the calls that match the plan this object hands it.
+        chain = _native_forwards()
+        self.fast = chain.DeferringForward(self) if chain is not None and \
+            getattr(rule, "_fast", None) is not None else None
 
-    def __call__(self, x, *args, **kwargs):
+    def reset(self) -> None:
+        """Forget the plan (a new step, or the end of one): parameters,
+        hooks and flags are read afresh at the next call."""
+        self.plan = None
+        if self.fast is not None:
+            self.fast.clear_plan()
+
+    def __call__(self, *args, **kwargs):
         pending = getattr(_state, "pending", None)
-        if pending is None or args or kwargs or not _grad_enabled():
-            return self.plain(x, *args, **kwargs)
+        if pending is None or len(args) != 1 or kwargs or not _grad_enabled():
+            return self.plain(*args, **kwargs)
+        x = args[0]
         module, rule = self.module, self.rule
         params = rule.params(module)
         plan = self.plan
@@ -426,6 +445,10 @@ class _Forward:
         if layer is _UNSET:  # what W needs of this layer beside each call's tensors
             chain = native_chain()
             layer = plan[3] = rule.native(targets, meta, chain) if chain is not None else None
+            if self.fast is not None:  # later calls with these parameters run natively
+                kind, names, ints, eps = rule._fast(module)
+                self.fast.set_plan(kind, module._parameters, names, list(params), list(detached),
+                                   ints, eps, rule, targets, meta, self.layer, layer)
         pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer, layer))
         fn = out.grad_fn
         pending.edges.append(GradientEdge(fn, out.output_nr) if fn is not None and not isinstance(
@@ -442,6 +465,19 @@ class _Forward:
         return [params, targets, detached, _UNSET]
 
 
+_configured: list[ModuleType] = []
+
+
+def _native_forwards() -> ModuleType | None:
+    """``fastpipe._chain``, told (once) which Entry and GradientEdge its
+    deferring forwards build; None where it is not built."""
+    chain = native_chain()
+    if chain is not None and not _configured:
+        chain.configure_defer(Entry, GradientEdge)
+        _configured.append(chain)
+    return chain
+
+
 def install(root: nn.Module) -> list[nn.Module]:
     """Sets the deferring ``forward`` on every layer under ``root`` with a
     rule (not inside a compiled module, not where ``forward`` is already
@@ -451,13 +487,14 @@ def install(root: nn.Module) -> list[nn.Module]:
         rule = _RULES.get(type(m))
         if rule is None:
             continue
-        fwd = m.__dict__.get("forward")
+        fwd = _installed(m)
         if fwd is None:
-            fwd = m.__dict__["forward"] = _Forward(m, rule)
-        elif not isinstance(fwd, _Forward):
-            continue  # the user's own forward on this instance: keep it
+            if "forward" in m.__dict__:
+                continue  # the user's own forward on this instance: keep it
+            fwd = _Forward(m, rule)
+            m.__dict__["forward"] = fwd.fast if fwd.fast is not None else fwd
         fwd.users += 1
-        fwd.plan = None  # a new step: parameters, hooks and flags read afresh
+        fwd.reset()  # a new step: parameters, hooks and flags read afresh
         done.append(m)
     return done
 
@@ -465,13 +502,20 @@ def install(root: nn.Module) -> list[nn.Module]:
 def uninstall(layers: list[nn.Module]) -> None:
     """Undoes one ``install``: the class ``forward`` is back once no stage uses it."""
     for m in layers:
-        fwd = m.__dict__.get("forward")
-        if isinstance(fwd, _Forward):
+        fwd = _installed(m)
+        if fwd is not None:
             fwd.users -= 1
-            fwd.plan = None  # no parameter kept alive by a plan between steps
+            fwd.reset()  # no parameter kept alive by a plan between steps
             if fwd.users == 0:
                 del m.__dict__["forward"]
     layers.clear()
+
+
+def _installed(m: nn.Module) -> _Forward | None:
+    """The deferring forward ``install`` set on ``m``, or None."""
+    fwd = m.__dict__.get("forward")
+    fwd = getattr(fwd, "slow", fwd)  # the native one runs on behalf of a _Forward
+    return fwd if isinstance(fwd, _Forward) else None
 
 
 def _modules_outside_compiled(root: nn.Module) -> Iterator[nn.Module]:

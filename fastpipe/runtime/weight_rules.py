@@ -56,6 +56,9 @@ class LinearRule(WeightRule):
     def native(self, targets, meta, chain):
         return chain.WeightLayer(0, list(targets), [], [], 0.0)
 
+    def _fast(self, m):
+        return 0, ["weight", "bias"], [], None
+
     def gather(self, entries):
         if len(entries) == 1:
             e = entries[0]
@@ -106,6 +109,9 @@ class LayerNormRule(WeightRule):
         shape, eps, w, b = meta
         return chain.WeightLayer(1, list(targets), [w, b], list(shape), eps)
 
+    def _fast(self, m):
+        return 1, ["weight", "bias"], list(m.normalized_shape), m.eps
+
     def weight_grads(self, kept, meta, targets, g):
         shape, eps, w, b = meta
         x = _norm_input(kept[0], g)
@@ -127,6 +133,9 @@ class RMSNormRule(WeightRule):
     def forward(self, m, x, detached):
         out = F.rms_norm(x, m.normalized_shape, detached[0], m.eps)
         return out, (x.detach(),), (len(m.normalized_shape), m.eps)
+
+    def _fast(self, m):
+        return 3, ["weight"], list(m.normalized_shape), m.eps
 
     def weight_grads(self, kept, meta, targets, g):
         if targets[0] is None:
@@ -169,6 +178,10 @@ class EmbeddingRule(WeightRule):
     def native(self, targets, meta, chain):
         num, pad, freq = meta
         return chain.WeightLayer(2, list(targets), [], [num, pad, int(freq)], 0.0)
+
+    def _fast(self, m):
+        return 2, ["weight"], [m.padding_idx if m.padding_idx is not None else -1,
+                               int(m.scale_grad_by_freq)], None
 
     def weight_grads(self, kept, meta, targets, g):
         num, pad, freq = meta
