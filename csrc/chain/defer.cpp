@@ -17,6 +17,7 @@
 // The ops are those of the built-in rules' `forward`, so both paths give the
 // same outputs and entries bit for bit.
 #include "defer.h"
+#include "wgrad.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/autocast_mode.h>
@@ -34,9 +35,6 @@ namespace fastpipe {
 namespace {
 
 namespace py = pybind11;
-
-// The layer ops a Plan runs (weight_rules.py's `_fast`).
-enum Kind : std::int64_t { kLinear = 0, kLayerNorm = 1, kEmbedding = 2, kRMSNorm = 3 };
 
 // The lists this thread's deferring layers append to (deferred.collecting
 // sets them to the pending microbatch's `entries` and `edges`); null

@@ -27,8 +27,6 @@ namespace {
 
 namespace py = pybind11;
 
-// deferred.py's native rule kinds.
-enum Rule : std::int64_t { kLinear = 0, kLayerNorm = 1, kEmbedding = 2 };
 
 struct Layer {
   std::int64_t kind;

@@ -121,6 +121,11 @@ class WeightRule:
         ``gather`` run."""
         return None
 
+    # Built-in rules only: ``_fast(module) -> (kind, parameter names,
+    # shape or ints, eps)``, what fastpipe._chain.DeferringForward needs to
+    # run this rule's forward in C++; None: calls stay in Python.
+    _fast = None
+
 
 _RULES: dict[type, WeightRule] = {}
 
@@ -416,8 +421,8 @@ class _Forward:
         # set on the module in this object's place, for the built-in rules:
         # it runs the calls that match the plan this object hands it.
         chain = _native_forwards()
-        self.fast = chain.DeferringForward(self) if chain is not None and \
-            getattr(rule, "_fast", None) is not None else None
+        self.fast = chain.DeferringForward(self) if chain is not None and rule._fast is not None \
+            else None
 
     def reset(self) -> None:
         """Forget the plan (a new step, or the end of one): parameters,
