@@ -177,6 +177,91 @@ def test_native_forward_is_the_python_forward_bit_for_bit(name, autocast, monkey
                 torch.testing.assert_close(u, v, rtol=0, atol=0)
 
 
+class _Mixed(nn.Module):
+    """A stage whose I has every kind of output: a deferred Linear, a
+    parameter used outside any layer (autograd's gradient in I), a weight
+    also used outside its layer, an input that needs no gradient and a
+    leaf parameter nothing reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.scale = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.unused = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * self.scale
+        return self.lin(h) + h @ self.lin.weight + y
+
+
+def _input_backward(monkeypatch, path: str, root_as_edge: bool):
+    torch.manual_seed(0)
+    stage = _Mixed()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(3, 4, dtype=torch.float64)
+    with monkeypatch.context() as m:
+        if path == "python":
+            m.setattr(deferred, "native_chain", lambda: None)
+        layers = deferred.install(stage)
+        try:
+            pending = deferred.Pending()
+            with deferred.collecting(pending):
+                out = stage(x, y)
+            g = torch.randn_like(out)
+            root = torch.autograd.graph.get_gradient_edge(out) if root_as_edge else out
+            grads = deferred.backward_input([root], [g], [x, y], list(stage.parameters()), pending)
+            after_i = [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
+            gs = [e.g for e in pending.entries]
+            deferred.run_weight(pending.entries, fuse=False)
+        finally:
+            deferred.uninstall(layers)
+    return grads, after_i, gs, [p.grad for p in stage.parameters()]
+
+
+@pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
+@pytest.mark.parametrize("root_as_edge", [False, True])
+def test_native_input_backward_is_the_python_one(root_as_edge, monkeypatch):
+    """I made in C++ gives what the Python engine call gives, bit for bit:
+    input gradients (None where none is wanted), the gradients autograd
+    brings to parameters in I, each entry's output gradient, and W after."""
+    native = _input_backward(monkeypatch, "native", root_as_edge)
+    python = _input_backward(monkeypatch, "python", root_as_edge)
+    # .grad after I, in parameters() order (weight, bias, scale, unused): the
+    # weight used outside its layer and scale from autograd, bias in W.
+    assert [g is not None for g in native[1]] == [True, False, True, False]
+    assert native[0][1] is None  # y wants none
+    assert len(native[2]) == 2
+    for a, b in zip(native, python):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            assert (u is None) == (v is None)
+            if u is not None:
+                torch.testing.assert_close(u, v, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
+def test_native_input_backward_raises_a_hooks_own_exception():
+    """An exception raised inside the engine (here a tensor hook's) leaves
+    the native I as itself, as it leaves torch's own call."""
+    lin = nn.Linear(4, 4).double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    layers = deferred.install(lin)
+    try:
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            out = lin(x)
+
+        def refuse(grad):
+            raise KeyError("refused in a hook")
+
+        out.register_hook(refuse)
+        with pytest.raises(KeyError, match="refused in a hook"):
+            deferred.backward_input([out], [torch.ones_like(out)], [x], list(lin.parameters()),
+                                    pending)
+    finally:
+        deferred.uninstall(layers)
+
+
 @pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
 def test_native_forward_steps_aside():
     """Calls the plan does not cover go to the Python forward: a swapped-in

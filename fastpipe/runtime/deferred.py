@@ -224,26 +224,34 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
         return [t.grad if t.requires_grad else None for t in inputs]
     wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
     trained = [p for p in params if p.requires_grad]
-    got = run_backward(tuple(roots), filled(roots, grads), keep_graph, False,
-                       tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges),
-                       allow_unreachable=True, accumulate_grad=False)
+    chain = native_chain()
+    if chain is not None:  # the same call, its bookkeeping in C++ (csrc/chain/defer.cpp)
+        got, reached, pending.entries = chain.backward_input(
+            tuple(roots), filled(roots, grads), [inputs[i] for i in wanted], trained,
+            pending.entries, pending.edges, keep_graph)
+    else:
+        got = run_backward(tuple(roots), filled(roots, grads), keep_graph, False,
+                           tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges),
+                           allow_unreachable=True, accumulate_grad=False)
+        n = len(wanted)
+        reached = [(i, g) for i, g in enumerate(got[n:n + len(trained)]) if g is not None]
+        entries = pending.entries
+        pending.entries = [e for e, g in zip(entries, got[n + len(trained):]) if g is not None]
+        for e, g in zip(entries, got[n + len(trained):]):
+            e.g = g
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, got):
         out[i] = g
-    n = len(wanted)
-    with torch.no_grad():
-        for p, g in zip(trained, got[n:n + len(trained)]):
-            if g is not None:
+    if reached:
+        with torch.no_grad():
+            for i, g in reached:
+                p = trained[i]
                 # A copy where .grad is new: the engine's result may be a
                 # received buffer or another tensor's gradient.
                 accumulate(p, g if p.grad is not None else g.clone())
                 if p._post_accumulate_grad_hooks is not None:  # as AccumulateGrad runs them
                     for hook in tuple(p._post_accumulate_grad_hooks.values()):
                         hook(p)
-    entries = pending.entries
-    pending.entries = [e for e, g in zip(entries, got[n + len(trained):]) if g is not None]
-    for e, g in zip(entries, got[n + len(trained):]):
-        e.g = g
     pending.edges = []
     return out
 
