@@ -428,6 +428,34 @@ def test_install_skips_compiled_modules_and_users_forward():
     assert "forward" not in plain.__dict__ and own.forward(5) == 5
 
 
+def _weight_gemms(entries) -> int:
+    """Matrix products W runs for ``entries`` (gathered, with fusion)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        deferred.run_weight(entries, fuse=True)
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::addmm_"))
+
+
+def test_a_linears_calls_are_gathered_into_one_gemm():
+    """Several microbatches' entries of one Linear (a chain stage makes each
+    with its own WeightLayer) are one GEMM in W, and give the sum of their
+    weight gradients; another Linear's stay apart."""
+    torch.manual_seed(0)
+    lins = [nn.Linear(4, 3).double(), nn.Linear(4, 3).double()]
+    xs = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    gs = [torch.randn(5, 3, dtype=torch.float64) for _ in range(3)]
+    entries = [deferred.linear_entry(lin, g, x) for lin in lins for g, x in zip(gs, xs)]
+    for lin in lins:
+        lin.weight.grad = torch.zeros_like(lin.weight)
+    gemms = _weight_gemms(entries)
+    want = sum(g.T @ x for g, x in zip(gs, xs))
+    for lin in lins:
+        torch.testing.assert_close(lin.weight.grad, want)
+        torch.testing.assert_close(lin.bias.grad, sum(g.sum(0) for g in gs))
+    assert gemms == 2  # one a Linear
+
+
 def test_waiting_work_owns_what_the_executor_hands_back(w_path):
     """Gathered W waits past its action: what it reads from a received
     buffer is cloned, so the buffer's next use changes nothing."""

@@ -36,6 +36,29 @@ struct Layer {
   double eps;
 };
 
+// Two WeightLayers that write the same parameters the same way: their calls
+// form one group (a chain stage makes a WeightLayer per call; those of one
+// Linear must still be gathered into one GEMM).
+bool same_work(const Layer& a, const Layer& b) {
+  auto same = [](const std::vector<std::optional<at::Tensor>>& x, const std::vector<std::optional<at::Tensor>>& y,
+                 bool by_data) {
+    if (x.size() != y.size()) return false;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      if (x[i].has_value() != y[i].has_value()) return false;
+      if (!x[i]) continue;
+      if (by_data ? x[i]->data_ptr() != y[i]->data_ptr() || x[i]->sizes() != y[i]->sizes()
+                  : !x[i]->is_same(*y[i])) {
+        return false;
+      }
+    }
+    return true;
+  };
+  // targets: the very parameters; tensors (LayerNorm's detached weight and
+  // bias): aliases of the same memory.
+  return a.kind == b.kind && a.ints == b.ints && a.eps == b.eps && same(a.targets, b.targets, false) &&
+         same(a.tensors, b.tensors, true);
+}
+
 struct Item {  // one call
   const Layer* layer;
   at::Tensor kept;  // what the forward kept (the input; Embedding: the ids)
@@ -155,8 +178,10 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
   // Groups in first-seen order: a layer's calls together.
   std::vector<std::vector<const Item*>> groups;
   for (const Item& it : items) {
-    auto found = std::find_if(groups.begin(), groups.end(),
-                              [&](const auto& group) { return group.front()->layer == it.layer; });
+    auto found = std::find_if(groups.begin(), groups.end(), [&](const auto& group) {
+      const Layer* first = group.front()->layer;
+      return first == it.layer || same_work(*first, *it.layer);
+    });
     if (found == groups.end()) {
       groups.push_back({&it});
     } else {
