@@ -464,18 +464,18 @@ def test_waiting_work_owns_what_the_executor_hands_back(w_path):
     ref = copy.deepcopy(lin)
     queue = deferred.WeightQueue()
     layers = deferred.install(lin)
-    buffers = [torch.randn(4, 64, dtype=torch.float64) for _ in range(3)]
+    buffers = [torch.randn(5, 64, dtype=torch.float64) for _ in range(3)]
     for buf in buffers:
-        x = buf.requires_grad_(False)  # the stage input: a view of a received buffer
+        x = buf[1:]  # the stage input: a view into a received buffer
         pending = deferred.Pending()
         with deferred.collecting(pending):
             out = lin(x)
         g = torch.randn_like(out)
         deferred.backward_input([out], [g], [x], list(lin.parameters()), pending)
-        pending.borrowed = {x.untyped_storage().data_ptr(), g.untyped_storage().data_ptr()}
+        pending.borrowed = deferred.borrowed_ranges([x, g])
         queue.add(pending)
         ref(x.clone()).backward(g.clone())
-        x.fill_(7.0)  # handed back and reused
+        buf.fill_(7.0)  # handed back and reused
         g.fill_(-3.0)
     assert queue.waiting and lin.weight.grad is None  # all three wait
     queue.flush()

@@ -78,6 +78,9 @@ class Chain:
         # The native Program: its parameters bound for one step (ready .. unbind).
         self._program = self._lib.Program([k for k, _ in ops]) if self._lib is not None else None
         self._bound = False
+        # Each trained Linear's share of every W entry this step (by op
+        # index; deferred.linear_work), made by ready(), dropped by unbind().
+        self._work: dict[int, tuple] = {}
 
     @property
     def native(self) -> bool:
@@ -103,6 +106,7 @@ class Chain:
             self._program.unbind()
             self._bound = False
         self._dtype = None
+        self._work = {}
 
     @classmethod
     def of(cls, module: nn.Module, native: bool = True) -> Chain | None:
@@ -190,6 +194,7 @@ class Chain:
             self._bind()
         self._dtype = dtype
         self.trains = any(p.requires_grad for p in present)
+        self._work = {i: deferred.linear_work(m) for i, (k, m) in enumerate(self.ops) if k == _LINEAR}
         return True
 
     def accepts(self, x: torch.Tensor) -> bool:
@@ -241,7 +246,7 @@ class Chain:
         cannot serve twice."""
         if self._bound:
             gx, items = self._program.backward_input(saved, grad, need_input)
-            return gx, self._pending([(self.ops[i][1], g, x) for i, g, x in items])
+            return gx, self._pending(items)
         items = []
         g = grad
         with torch.no_grad():
@@ -250,7 +255,7 @@ class Chain:
                 s = saved[i]
                 if kind == _LINEAR:
                     if m.weight.requires_grad or (m.bias is not None and m.bias.requires_grad):
-                        items.append((m, g, s))
+                        items.append((i, g, s))
                     if i == self._first_linear and not need_input:
                         break  # what lies below only leads to the input
                     g = _input_grad(g, m.weight, s)
@@ -267,9 +272,10 @@ class Chain:
         saved.clear()
         return (g if need_input else None), self._pending(items)
 
-    @staticmethod
-    def _pending(items) -> deferred.Pending:
-        return deferred.Pending([deferred.linear_entry(m, g, x) for m, g, x in items])
+    def _pending(self, items) -> deferred.Pending:
+        """W's entries of (op index, output gradient, input) items."""
+        ops, work = self.ops, self._work
+        return deferred.Pending([deferred.linear_entry(ops[i][1], g, x, work.get(i)) for i, g, x in items])
 
 
 def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ from fastpipe.runtime.eager_checks import param_hooked
 
 __all__ = [
     "EmbeddingRule", "Entry", "LayerNormRule", "LinearRule", "Pending", "RMSNormRule", "WeightQueue",
-    "WeightRule", "accumulate", "backward_input", "collecting", "install", "linear_entry",
+    "WeightRule", "accumulate", "backward_input", "collecting", "install", "linear_entry", "linear_work",
     "register_weight_rule", "run_weight", "uninstall",
 ]
 
@@ -166,7 +166,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.saved, self.g))
+        return sum(t.nbytes for t in self.saved) + self.g.nbytes
 
 
 @dataclass
@@ -177,9 +177,10 @@ class Pending:
     entries: list[Entry] = field(default_factory=list)
     # The graph edge of each entry's output, where I captures its gradient.
     edges: list[GradientEdge] = field(default_factory=list)
-    # Storages (data pointers) of tensors the executor may hand back after
-    # W (received buffers): an entry reading one is cloned before it waits.
-    borrowed: set[int] = field(default_factory=set)
+    # Memory (storage address ranges, ``borrowed_ranges``) the executor may
+    # hand back after W (received buffers): an entry reading it is cloned
+    # before it waits.
+    borrowed: tuple[tuple[int, int], ...] = ()
 
     @property
     def kept_bytes(self) -> int:
@@ -193,14 +194,23 @@ class Pending:
         return sum(e.g.numel() * e.g.element_size() for e in self.entries)
 
 
-def linear_entry(module: nn.Linear, g: torch.Tensor, x: torch.Tensor) -> Entry:
-    """W's entry for a Linear whose output gradient ``g`` and (2-D) input
-    ``x`` someone else kept: a chain stage's I (``fastpipe.runtime.chain``)."""
+def linear_work(module: nn.Linear) -> tuple:
+    """What every W entry of ``module`` shares within a step: its rule, the
+    parameters that want a gradient and the native WeightLayer (None where
+    ``fastpipe._chain`` is not built). Made once per step by a chain stage."""
     targets = tuple(p if p is not None and p.requires_grad else None
                     for p in (module.weight, module.bias))
     rule, chain = _RULES[nn.Linear], native_chain()
-    return Entry(rule, targets, (x,), None, g, id(module),
-                 rule.native(targets, None, chain) if chain is not None else None)
+    return rule, targets, rule.native(targets, None, chain) if chain is not None else None
+
+
+def linear_entry(module: nn.Linear, g: torch.Tensor, x: torch.Tensor, work: tuple | None = None
+                 ) -> Entry:
+    """W's entry for a Linear whose output gradient ``g`` and (2-D) input
+    ``x`` someone else kept: a chain stage's I (``fastpipe.runtime.chain``).
+    ``work``: ``linear_work(module)`` of this step, made once for all calls."""
+    rule, targets, native = work if work is not None else linear_work(module)
+    return Entry(rule, targets, (x,), None, g, id(module), native)
 
 
 def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
@@ -323,22 +333,31 @@ class WeightQueue:
     def add(self, pending: Pending, gather: bool = True) -> None:
         """W of one microbatch: runs now, or waits to be gathered (``gather``).
 
-        A tensor in ``pending.borrowed`` storage may be a view of a buffer
+        A tensor in ``pending.borrowed`` memory may be a view of a buffer
         the executor hands back after this W: it is cloned before it waits.
         """
-        rows = self._rows(pending.entries)
-        if not gather or rows is None or self.rows + rows >= self._limit(pending.entries):
+        rows = self._rows(pending.entries) if gather else None
+        if rows is None or self.rows + rows >= self._limit(pending.entries):
             entries = self.waiting + pending.entries
             pending.entries.clear()
             self.clear()
             run_weight(entries, fuse=gather)
             return
         own = pending.borrowed
-        for e in pending.entries:
-            e.saved = tuple(t.clone() if _storage(t) in own else t for t in e.saved)
-            if _storage(e.g) in own:
-                e.g = e.g.clone()
-            self.nbytes += e.nbytes
+        nbytes = 0
+        for e in pending.entries:  # loops, not generators: a narrow microbatch feels each µs
+            saved = e.saved
+            if own:
+                for t in saved:
+                    if _within(t, own):
+                        saved = e.saved = tuple(t.clone() if _within(t, own) else t for t in saved)
+                        break
+                if _within(e.g, own):
+                    e.g = e.g.clone()
+            for t in saved:
+                nbytes += t.nbytes
+            nbytes += e.g.nbytes
+        self.nbytes += nbytes
         self.waiting += pending.entries
         pending.entries.clear()
         self.rows += rows
@@ -364,9 +383,12 @@ class WeightQueue:
             r = e.rule.rows(e.saved, e.meta)
             if r is None:
                 continue
-            if any(p is not None and p.dtype != e.g.dtype for p in e.params):
-                return None
-            rows = max(rows, r)
+            dtype = e.g.dtype
+            for p in e.params:
+                if p is not None and p.dtype != dtype:
+                    return None
+            if r > rows:
+                rows = r
         return rows or None
 
     def _limit(self, entries: list[Entry]) -> int:
@@ -377,8 +399,24 @@ class WeightQueue:
         return self.limit_rows
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def borrowed_ranges(tensors) -> tuple[tuple[int, int], ...]:
+    """The storage address ranges of ``tensors`` (``Pending.borrowed``)."""
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            out.append((s.data_ptr(), s.data_ptr() + s.nbytes()))
+    return tuple(out)
+
+
+def _within(t: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> bool:
+    """``t`` reads memory in one of ``ranges`` (live storages do not overlap,
+    so its first byte says which storage it is in)."""
+    p = t.data_ptr()
+    for lo, hi in ranges:
+        if lo <= p < hi:
+            return True
+    return False
 
 
 # --- collecting: the forward side ------------------------------------------------

@@ -300,8 +300,7 @@ class StageCompute:
         if pending is not None:
             # What W reads that may be a view of a received buffer, handed
             # back after W: cloned if W's work waits beyond it.
-            pending.borrowed = {_storage(t) for t in (*saved.leaves, *(saved.grads or ()))
-                                if isinstance(t, torch.Tensor)}
+            pending.borrowed = deferred.borrowed_ranges((*saved.leaves, *(saved.grads or ())))
         return pending
 
     def _backward_weight(self, a: Action) -> None:
@@ -315,6 +314,3 @@ class StageCompute:
         stage.weights.add(pending, self.gather_w)
         self._hold(stage.weights.nbytes - before)
 
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
