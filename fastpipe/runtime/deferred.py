@@ -181,6 +181,10 @@ class Pending:
     # hand back after W (received buffers): an entry reading it is cloned
     # before it waits.
     borrowed: tuple[tuple[int, int], ...] = ()
+    # The rows of its row-wise entries, where the producer knows them and
+    # they compute in their parameters' dtype (a chain stage): else
+    # WeightQueue works them out.
+    rows: int | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -336,7 +340,8 @@ class WeightQueue:
         A tensor in ``pending.borrowed`` memory may be a view of a buffer
         the executor hands back after this W: it is cloned before it waits.
         """
-        rows = self._rows(pending.entries) if gather else None
+        rows = None if not gather else pending.rows if pending.rows is not None \
+            else self._rows(pending.entries)
         if rows is None or self.rows + rows >= self._limit(pending.entries):
             entries = self.waiting + pending.entries
             pending.entries.clear()
