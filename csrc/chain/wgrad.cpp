@@ -16,6 +16,7 @@
 #include "wgrad.h"
 
 #include <algorithm>
+#include <torch/csrc/autograd/python_variable.h>
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
@@ -208,6 +209,68 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
   }
 }
 
+// WeightQueue.add's look at one microbatch's entries (deferred.py), made
+// here: in Python it was ~2 us an entry (rows, dtypes, bytes, whether a
+// tensor reads a received buffer), dozens of entries a microbatch on a
+// transformer stage. Rows are counted as the built-in rules count them
+// (Linear: input rows; Embedding: ids, unless frequency-scaled). None where
+// an entry has no native WeightLayer: its rule says in Python.
+py::object scan_entries(const py::list& entries, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
+  static PyObject* native_name = PyUnicode_InternFromString("native");
+  static PyObject* saved_name = PyUnicode_InternFromString("saved");
+  static PyObject* g_name = PyUnicode_InternFromString("g");
+  auto within = [&](const at::Tensor& t) {
+    const auto p = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+    for (const auto& [lo, hi] : borrowed) {
+      if (lo <= p && p < hi) return true;
+    }
+    return false;
+  };
+  auto attr = [](const py::handle& obj, PyObject* name) {
+    py::object out = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj.ptr(), name));
+    if (!out) throw py::error_already_set();
+    return out;
+  };
+  std::int64_t rows = 0, nbytes = 0;
+  bool gather = true;
+  py::list touched;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const py::handle e = entries[i];
+    const py::object native = attr(e, native_name);
+    if (native.is_none()) return py::none();
+    const Layer& layer = *native.cast<std::shared_ptr<Layer>>();
+    const py::object saved = attr(e, saved_name), g_obj = attr(e, g_name);
+    if (!PyTuple_Check(saved.ptr()) || PyTuple_GET_SIZE(saved.ptr()) == 0 || !THPVariable_Check(g_obj.ptr())) {
+      throw py::type_error("scan_entries: an entry's saved is a tuple of tensors and its g a tensor");
+    }
+    const at::Tensor& g = THPVariable_Unpack(g_obj.ptr());
+    bool reads = within(g);
+    nbytes += static_cast<std::int64_t>(g.nbytes());
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(saved.ptr()); ++j) {
+      PyObject* t = PyTuple_GET_ITEM(saved.ptr(), j);
+      if (!THPVariable_Check(t)) throw py::type_error("scan_entries: an entry's saved is a tuple of tensors");
+      const at::Tensor& kept = THPVariable_Unpack(t);
+      nbytes += static_cast<std::int64_t>(kept.nbytes());
+      reads = reads || within(kept);
+    }
+    if (reads) touched.append(i);
+    const at::Tensor& first = THPVariable_Unpack(PyTuple_GET_ITEM(saved.ptr(), 0));
+    std::int64_t r = 0;
+    if (layer.kind == kLinear) {
+      r = first.size(-1) > 0 ? first.numel() / first.size(-1) : 0;
+    } else if (layer.kind == kEmbedding && layer.ints.size() == 3 && layer.ints[2] == 0) {
+      r = first.numel();
+    } else {
+      continue;  // not row-wise
+    }
+    for (const auto& p : layer.targets) {
+      if (p.has_value() && p->scalar_type() != g.scalar_type()) gather = false;  // autocast: see _rows
+    }
+    rows = std::max(rows, r);
+  }
+  return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), nbytes, touched);
+}
+
 }  // namespace
 
 void register_wgrad(py::module_& m) {
@@ -233,6 +296,9 @@ void register_wgrad(py::module_& m) {
            py::arg("kind"), py::arg("targets"), py::arg("tensors"), py::arg("ints"), py::arg("eps"));
   m.def("weight_grads", &weight_grads, py::arg("layers"), py::arg("kept"), py::arg("gs"), py::arg("fuse"),
         "W of deferred layers: call i is (layers[i], kept[i], gs[i]), with the GIL released.");
+  m.def("scan_entries", &scan_entries, py::arg("entries"), py::arg("borrowed"),
+        "(rows or None, bytes, indices of entries reading borrowed memory) of one microbatch's "
+        "deferred entries; None where one has no native WeightLayer.");
 }
 
 }  // namespace fastpipe

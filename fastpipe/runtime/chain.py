@@ -273,12 +273,9 @@ class Chain:
         return (g if need_input else None), self._pending(items)
 
     def _pending(self, items) -> deferred.Pending:
-        """W's entries of (op index, output gradient, input) items; every
-        Linear of a chain sees the microbatch's rows, in the parameters'
-        dtype (chains run without autocast)."""
+        """W's entries of (op index, output gradient, input) items."""
         ops, work = self.ops, self._work
-        entries = [deferred.linear_entry(ops[i][1], g, x, work.get(i)) for i, g, x in items]
-        return deferred.Pending(entries, rows=items[0][2].shape[0] if items else None)
+        return deferred.Pending([deferred.linear_entry(ops[i][1], g, x, work.get(i)) for i, g, x in items])
 
 
 def _input_grad(g: torch.Tensor, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

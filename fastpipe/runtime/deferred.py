@@ -181,10 +181,6 @@ class Pending:
     # hand back after W (received buffers): an entry reading it is cloned
     # before it waits.
     borrowed: tuple[tuple[int, int], ...] = ()
-    # The rows of its row-wise entries, where the producer knows them and
-    # they compute in their parameters' dtype (a chain stage): else
-    # WeightQueue works them out.
-    rows: int | None = None
 
     @property
     def kept_bytes(self) -> int:
@@ -340,30 +336,31 @@ class WeightQueue:
         A tensor in ``pending.borrowed`` memory may be a view of a buffer
         the executor hands back after this W: it is cloned before it waits.
         """
-        rows = None if not gather else pending.rows if pending.rows is not None \
-            else self._rows(pending.entries)
-        if rows is None or self.rows + rows >= self._limit(pending.entries):
-            entries = self.waiting + pending.entries
+        entries = pending.entries
+        chain = native_chain() if gather else None
+        scan = chain.scan_entries(entries, pending.borrowed) if chain is not None else None
+        if scan is not None:  # every entry native: rows, bytes and borrowed readers in C++
+            rows, nbytes, touched = scan
+        else:
+            rows = self._rows(entries) if gather else None
+            nbytes, touched = None, None
+        if rows is None or self.rows + rows >= self._limit(entries):
+            entries = self.waiting + entries
             pending.entries.clear()
             self.clear()
             run_weight(entries, fuse=gather)
             return
         own = pending.borrowed
-        nbytes = 0
-        for e in pending.entries:  # loops, not generators: a narrow microbatch feels each µs
-            saved = e.saved
-            if own:
-                for t in saved:
-                    if _within(t, own):
-                        saved = e.saved = tuple(t.clone() if _within(t, own) else t for t in saved)
-                        break
-                if _within(e.g, own):
-                    e.g = e.g.clone()
-            for t in saved:
-                nbytes += t.nbytes
-            nbytes += e.g.nbytes
-        self.nbytes += nbytes
-        self.waiting += pending.entries
+        if touched is None:
+            touched = [i for i, e in enumerate(entries)
+                       if own and (_within(e.g, own) or any(_within(t, own) for t in e.saved))]
+        for i in touched:
+            e = entries[i]
+            e.saved = tuple(t.clone() if _within(t, own) else t for t in e.saved)
+            if _within(e.g, own):
+                e.g = e.g.clone()
+        self.nbytes += nbytes if nbytes is not None else sum(e.nbytes for e in entries)
+        self.waiting += entries
         pending.entries.clear()
         self.rows += rows
 
