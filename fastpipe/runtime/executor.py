@@ -409,6 +409,12 @@ class RankExecutor(StageCompute):
                 for mb in range(self.schedule.microbatches)
                 if ("B", s - 1, mb) not in skip and self._owner(s - 1) != self.rank]
 
+    def _borrows(self, key: tuple[int, int]) -> bool:
+        """A received buffer of ``(stage, mb)`` is still held: its tensors are
+        views into memory handed back after the microbatch's last action
+        (local transfers and cast copies are tensors of their own)."""
+        return any(p.holds_buffer for p in self._held.get(key, ()))
+
     def _release(self, key: tuple[int, int]) -> None:
         for pending in self._held.pop(key, ()):
             pending.release()

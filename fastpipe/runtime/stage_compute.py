@@ -7,7 +7,7 @@ chains and deferred weight work). It reads the executor's per-step state:
 ``stages``, ``_saved``, ``_weights``, ``_results``, ``_chains``,
 ``_inputs``/``_targets``/``_loss_fn``/``_train``, ``_known_loss``, the
 autocast settings and the RNG lock, and calls back ``_take``, ``_deliver``,
-``_send_b``, ``_count``, ``_hold``.
+``_send_b``, ``_count``, ``_hold``, ``_borrows``.
 """
 
 from __future__ import annotations
@@ -300,7 +300,8 @@ class StageCompute:
         if pending is not None:
             # What W reads that may be a view of a received buffer, handed
             # back after W: cloned if W's work waits beyond it.
-            pending.borrowed = deferred.borrowed_ranges((*saved.leaves, *(saved.grads or ())))
+            if self._borrows((a.stage, a.microbatch)):
+                pending.borrowed = deferred.borrowed_ranges((*saved.leaves, *(saved.grads or ())))
         return pending
 
     def _backward_weight(self, a: Action) -> None:

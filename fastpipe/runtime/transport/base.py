@@ -67,6 +67,11 @@ class PendingReceive(Protocol):
         """The stage no longer needs the tensors: their buffer may be reused."""
         ...
 
+    @property
+    def holds_buffer(self) -> bool:
+        """After ``wait``: the tensors are views of a buffer ``release`` hands back."""
+        ...
+
 
 class Transport(Protocol):
     """What the executor asks of a rank's transport, one step at a time.
@@ -116,6 +121,11 @@ class SlotReceive:
     def wait(self) -> Payload:
         tensors, spec, self._held = self._take()
         return tensors, spec
+
+    @property
+    def holds_buffer(self) -> bool:
+        """Its tensors are views of a transport buffer, handed back on ``release``."""
+        return self._held is not None
 
     def release(self) -> None:
         if self._held is not None:
