@@ -239,6 +239,41 @@ def test_native_input_backward_is_the_python_one(root_as_edge, monkeypatch):
                 torch.testing.assert_close(u, v, rtol=0, atol=0)
 
 
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_input_backward_from_a_python_functions_edge():
+    """A root whose node is a Python autograd.Function's (the stage ends in
+    one) takes torch's own call: the same gradients as a plain backward."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3).double()
+    ref = copy.deepcopy(lin)
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 3, dtype=torch.float64)
+    layers = deferred.install(lin)
+    try:
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            out = _Twice.apply(lin(x))
+        root = torch.autograd.graph.get_gradient_edge(out)
+        (gx,) = deferred.backward_input([root], [g], [x], list(lin.parameters()), pending)
+        deferred.run_weight(pending.entries, fuse=False)
+    finally:
+        deferred.uninstall(layers)
+    xr = x.detach().clone().requires_grad_()
+    (_Twice.apply(ref(xr))).backward(g)
+    torch.testing.assert_close(gx, xr.grad, rtol=0, atol=0)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=0, atol=0)
+
+
 @pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
 def test_native_input_backward_raises_a_hooks_own_exception():
     """An exception raised inside the engine (here a tensor hook's) leaves

@@ -25,7 +25,6 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/python_cpp_function.h>
-#include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -201,8 +200,12 @@ class DeferringForward {
 using torch::autograd::Edge;
 using torch::autograd::Node;
 
+// An edge whose node is a Python autograd.Function's: the Python call
+// handles that backward (THPFunction's layout differs across torch versions).
+struct PythonNode {};
+
 // A root: a tensor (its grad_fn, or its accumulator for a leaf) or a
-// GradientEdge (node, output_nr, ...).
+// GradientEdge (node, output_nr, ...) of a C++ node.
 Edge root_edge(PyObject* obj) {
   if (THPVariable_Check(obj)) {
     Edge e = torch::autograd::impl::gradient_edge(THPVariable_Unpack(obj));
@@ -213,17 +216,13 @@ Edge root_edge(PyObject* obj) {
     throw py::type_error("backward_input: a root or an edge is a tensor or a GradientEdge");
   }
   PyObject* node = PyTuple_GET_ITEM(obj, 0);
-  c10::intrusive_ptr<Node> fn;
-  if (torch::autograd::THPCppFunction_Check(node)) {
-    fn = reinterpret_cast<torch::autograd::THPCppFunction*>(node)->cdata;
-  } else if (THPFunction_Check(node)) {
-    fn = reinterpret_cast<THPFunction*>(node)->cdata;
-  } else {
-    throw py::type_error("backward_input: a GradientEdge's node is not an autograd node");
-  }
+  if (!torch::autograd::THPCppFunction_Check(node)) throw PythonNode{};
   const auto nr = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(obj, 1));
   if (PyErr_Occurred()) throw py::error_already_set();
-  return Edge(std::move(fn), static_cast<std::uint32_t>(nr));
+  Edge e;
+  e.function = reinterpret_cast<torch::autograd::THPCppFunction*>(node)->cdata;
+  e.input_nr = static_cast<std::uint32_t>(nr);
+  return e;
 }
 
 // Where a tensor's gradient is captured, as torch.autograd.grad finds it:
@@ -245,26 +244,49 @@ py::object wrap_or_none(at::Tensor t) {
 // backwards that run on the engine's device threads; done alike here.
 struct StashedContext {
   StashedContext() {
-    static PyObject* stash = py::object(py::module_::import("torch._C").attr("_stash_obj_in_tls")).release().ptr();
-    static PyObject* remove = py::object(py::module_::import("torch._C").attr("_remove_obj_from_tls")).release().ptr();
-    remove_ = remove;
+    // Kept for the life of the process (null where this torch has no such call).
+    static PyObject* stash = lookup("_stash_obj_in_tls");
+    static PyObject* remove = lookup("_remove_obj_from_tls");
+    if (stash == nullptr || remove == nullptr) return;
     py::object ctx = py::reinterpret_steal<py::object>(PyContext_CopyCurrent());
     if (!ctx) throw py::error_already_set();
     py::reinterpret_borrow<py::object>(stash)("context", ctx);
+    remove_ = remove;
   }
   ~StashedContext() {
+    if (remove_ == nullptr) return;
     PyObject* r = PyObject_CallFunction(remove_, "s", "context");
     if (r == nullptr) PyErr_Clear();  // nothing to report from a destructor
     Py_XDECREF(r);
   }
-  PyObject* remove_;
+  static PyObject* lookup(const char* name) {
+    py::module_ torch_c = py::module_::import("torch._C");
+    return py::hasattr(torch_c, name) ? py::object(torch_c.attr(name)).release().ptr() : nullptr;
+  }
+  PyObject* remove_ = nullptr;
 };
 
-py::tuple backward_input(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
-                         const py::list& params, const py::list& entries, const py::list& edges,
-                         bool keep_graph) {
+py::object backward_input_native(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
+                                 const py::list& params, const py::list& entries, const py::list& edges,
+                                 bool keep_graph);
+
+// None where an edge's node is a Python autograd.Function's (the caller then
+// makes torch's own call); else (input gradients, reached parameters, entries).
+py::object backward_input(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
+                          const py::list& params, const py::list& entries, const py::list& edges,
+                          bool keep_graph) {
   if (roots.size() != grads.size()) throw py::value_error("backward_input: one gradient per root");
   if (entries.size() != edges.size()) throw py::value_error("backward_input: one edge per entry");
+  try {
+    return backward_input_native(roots, grads, inputs, params, entries, edges, keep_graph);
+  } catch (PythonNode&) {
+    return py::none();  // a Python node among the edges: the Python call
+  }
+}
+
+py::object backward_input_native(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
+                                 const py::list& params, const py::list& entries, const py::list& edges,
+                                 bool keep_graph) {
   torch::autograd::edge_list root_edges;
   torch::autograd::variable_list root_grads;
   for (std::size_t i = 0; i < roots.size(); ++i) {
@@ -360,7 +382,7 @@ void register_defer(py::module_& m) {
         "I of a deferring stage: one engine call from roots (tensors or GradientEdges) with their "
         "gradients; returns (gradients of inputs, [(index, gradient) of parameters autograd "
         "reached], the entries whose output a gradient reached, each given it as .g), with the "
-        "GIL released while the engine runs.");
+        "GIL released while the engine runs; None where an edge's node is a Python Function's.");
 }
 
 }  // namespace fastpipe

@@ -235,10 +235,13 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
     wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
     trained = [p for p in params if p.requires_grad]
     chain = native_chain()
-    if chain is not None:  # the same call, its bookkeeping in C++ (csrc/chain/defer.cpp)
-        got, reached, pending.entries = chain.backward_input(
-            tuple(roots), filled(roots, grads), [inputs[i] for i in wanted], trained,
-            pending.entries, pending.edges, keep_graph)
+    # The same call, its bookkeeping in C++ (csrc/chain/defer.cpp); None
+    # there where an edge is a Python autograd.Function's.
+    native = chain.backward_input(tuple(roots), filled(roots, grads), [inputs[i] for i in wanted],
+                                  trained, pending.entries, pending.edges, keep_graph) \
+        if chain is not None else None
+    if native is not None:
+        got, reached, pending.entries = native
     else:
         got = run_backward(tuple(roots), filled(roots, grads), keep_graph, False,
                            tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges),
