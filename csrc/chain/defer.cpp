@@ -191,9 +191,9 @@ class DeferringForward {
 // deferred.backward_input's engine call, made here: what the Python call
 // costs beside the engine (its argument parsing, a Python object for each of
 // the stage's parameters, the loop that hands each entry its gradient) is
-// ~70 µs an I on a small transformer stage, and on ranks that share one
-// interpreter the thread holds the GIL for all of it, next to another
-// rank's forward. Same engine entry as torch.autograd's (Engine::execute
+// felt on small transformer stages (docs/benchmarks.md), and on ranks that
+// share one interpreter the thread holds the GIL for all of it, next to
+// another rank's forward. Same engine entry as torch.autograd's (Engine::execute
 // with output edges, accumulate_grad false), the same edges, and the same
 // context stashed for compiled backwards on device threads.
 

@@ -210,9 +210,8 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
 }
 
 // WeightQueue.add's look at one microbatch's entries (deferred.py), made
-// here: in Python it was ~2 us an entry (rows, dtypes, bytes, whether a
-// tensor reads a received buffer), dozens of entries a microbatch on a
-// transformer stage. Rows are counted as the built-in rules count them
+// here: rows, dtypes, bytes and whether a tensor reads a received buffer,
+// read per entry, for dozens of entries a microbatch on a transformer stage. Rows are counted as the built-in rules count them
 // (Linear: input rows; Embedding: ids, unless frequency-scaled). None where
 // an entry has no native WeightLayer: its rule says in Python.
 py::object scan_entries(const py::list& entries, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
