@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpipe.runtime.transport.groups import all_reduce, keep_done
+
 __all__ = ["BUCKET_BYTES", "GradAverage", "check_weights", "differing"]
 
 BUCKET_BYTES = 25 * 2**20
@@ -127,6 +129,7 @@ class GradAverage:
         work, self._work = self._work, []
         for handle, flat, bucket in work:
             handle.wait()
+            keep_done(handle)
             if not copy:
                 continue
             flags = flat[-len(bucket):].tolist()
@@ -146,7 +149,7 @@ class GradAverage:
         """One small all-reduce: how many replicas failed, and the sum of their losses."""
         head = torch.tensor([float(failed), 0.0 if failed else float(loss.detach())],
                             dtype=torch.float64, device=self.device)
-        dist.all_reduce(head, group=self.group)
+        all_reduce(head, group=self.group)
         failures, total = head.tolist()
         return int(failures), total
 

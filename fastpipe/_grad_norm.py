@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from fastpipe.runtime.transport.groups import all_reduce
+
 __all__ = ["clip_grad_norm"]
 
 
@@ -43,12 +45,12 @@ def clip_grad_norm(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tenso
         dtype = total.dtype if grads else torch.get_default_dtype()
         total = total.to(device, torch.float64)
         if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         elif norm_type == 0:  # a count of nonzero entries: counts add
-            dist.all_reduce(total, group=group)
+            all_reduce(total, group=group)
         else:
             part = total ** norm_type
-            dist.all_reduce(part, group=group)
+            all_reduce(part, group=group)
             total = part ** (1.0 / norm_type)
         total = total.to(dtype)
     if error_if_nonfinite and not torch.isfinite(total):

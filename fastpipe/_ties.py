@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpipe.runtime.transport.groups import all_reduce
+
 __all__ = ["LocalTies", "Tie", "TiedGrads", "check_local", "find_ties"]
 
 
@@ -173,7 +175,7 @@ class TiedGrads:
                     flat[offset : offset + size].copy_(grad.reshape(-1))
                     flat[sum(sizes) + k] = 1
                 offset += size
-            dist.all_reduce(flat, group=self.group)
+            all_reduce(flat, group=self.group)
             flags = flat[sum(sizes):].tolist()
             offset = 0
             for k, (i, size) in enumerate(zip(indices, sizes)):

@@ -17,20 +17,46 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["connect_pairs", "flow_groups", "late_groups"]
+__all__ = ["all_reduce", "connect_pairs", "flow_groups", "keep_done", "late_groups"]
 
 _FLOW_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 _LATE_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 
 
+_DONE: list = []  # works of collectives waited for, kept a while (``all_reduce``)
+_KEEP_DONE = 8
+
+
 @atexit.register
 def _forget_groups() -> None:
-    """Drops the cached groups while the interpreter is whole. Kept until
-    finalization, a group's gloo worker thread could free a work holding a
-    Python tensor then, take the GIL, and abort the process (the caches keep
-    even a world the user destroyed alive)."""
+    """Drops the cached groups and kept works while the interpreter is whole.
+    Kept until finalization, a group's gloo worker thread could free a work
+    holding a Python tensor then, take the GIL, and abort the process (the
+    caches keep even a world the user destroyed alive)."""
     _FLOW_GROUPS.clear()
     _LATE_GROUPS.clear()
+    _DONE.clear()
+
+
+def keep_done(work) -> None:
+    """Holds a waited-for ``Work`` until a few collectives later (or exit).
+
+    Right after a gloo collective completes, the backend's worker thread
+    still holds the work; were its reference the last, that thread would
+    free the work's Python tensors, taking the GIL to do it, and a process
+    that reached finalization in the meantime (a short script's last
+    ``clip_grad_norm_``, then exit) aborts. Kept here, the last reference
+    is dropped on a Python thread."""
+    _DONE.append(work)
+    if len(_DONE) > _KEEP_DONE:
+        del _DONE[0]
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+    """``dist.all_reduce`` as a blocking call, its work freed by this thread (``keep_done``)."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    work.wait()
+    keep_done(work)
 
 
 def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
