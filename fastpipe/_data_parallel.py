@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe.runtime.transport.groups import all_reduce, keep_done
+from fastpipe.runtime.transport.groups import all_reduce, finish, started
 
 __all__ = ["BUCKET_BYTES", "GradAverage", "check_weights", "differing"]
 
@@ -123,13 +123,12 @@ class GradAverage:
                                 else torch.zeros(p.numel(), dtype=p.dtype, device=self.device)
                                 for p, h in zip(bucket, has)),
                               torch.tensor(has, dtype=bucket[0].dtype, device=self.device)])
-            self._work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
+            self._work.append((started(dist.all_reduce(flat, group=self.group, async_op=True)), flat, bucket))
 
     def _finish(self, copy: bool) -> None:
         work, self._work = self._work, []
         for handle, flat, bucket in work:
-            handle.wait()
-            keep_done(handle)
+            finish(handle)
             if not copy:
                 continue
             flags = flat[-len(bucket):].tolist()

@@ -21,6 +21,7 @@ from fastpipe._ring_lanes import RingLanes
 from fastpipe.runtime.executor import RankExecutor, Stage
 from fastpipe.runtime.threads import autocast_state
 from fastpipe.runtime.transport import CommLanes, DistTransport, connect_pairs, flow_groups, late_groups
+from fastpipe.runtime.transport.groups import broadcast, finish, started
 from fastpipe.schedules import Schedule
 
 __all__ = ["DistRunner", "ranks_agree"]
@@ -125,10 +126,10 @@ class DistRunner:
             # here takes the broadcast off this rank's step: its peers reach
             # it only after their last backward.
             self.finish_loss_broadcast()
-            self._loss_broadcast = (dist.broadcast(packed, src=src, group=self.group,
-                                                   async_op=True), packed)
+            self._loss_broadcast = (started(dist.broadcast(packed, src=src, group=self.group,
+                                                           async_op=True)), packed)
             return packed[0].to(_LOSS_DTYPES[int(code)])  # what the others get (read only)
-        dist.broadcast(packed, src=src, group=self.group)
+        broadcast(packed, src, self.group)
         return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
 
     def finish_loss_broadcast(self) -> None:
@@ -136,7 +137,7 @@ class DistRunner:
         if self._loss_broadcast is not None:
             work, _ = self._loss_broadcast
             self._loss_broadcast = None
-            work.wait()
+            finish(work)
 
     def close(self) -> None:
         """Waits for the loss broadcast; stops the ring's lanes and gives the

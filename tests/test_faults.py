@@ -256,3 +256,43 @@ def test_interpreter_exits_with_a_lane_stuck_in_a_long_wait():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert time.monotonic() - t0 < 15  # a 1 s grace, not the task's 60 s
+
+
+_ENDS_AFTER_A_STEP = """
+import sys
+import torch, torch.distributed as dist
+from torch import nn
+from fastpipe import Pipe
+from tests.models import mlp
+rank, init, schedule = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+pipe = Pipe(mlp(depth=8, dtype=torch.float32), chunks=8, schedule=schedule, balance=[4, 4])
+x, y = torch.randn(16, 5), torch.randn(16, 3)
+for _ in range(2):
+    pipe.step(x, y, nn.functional.mse_loss)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2"])
+def test_a_script_that_ends_right_after_a_step_exits_cleanly(tmp_path, schedule):
+    # The last step's loss broadcast was still held by gloo's worker thread
+    # when the interpreter finalized: the worker freed its tensors, asked
+    # for the GIL, was ended, and the process aborted ("terminate called
+    # without an active exception"), in about 4 of 10 runs.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for attempt in range(5):
+        init = f"file://{tmp_path / f'rdv{attempt}'}"
+        procs = [subprocess.Popen([sys.executable, "-c", _ENDS_AFTER_A_STEP, str(r), init, schedule],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for r in range(2)]
+        try:
+            logs = [p.communicate(timeout=60)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        codes = [p.returncode for p in procs]
+        assert codes == [0, 0], f"run {attempt}: exit codes {codes}\n" + "\n".join(logs)

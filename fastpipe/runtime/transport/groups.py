@@ -12,51 +12,91 @@ groups" and "NCCL's rules".
 from __future__ import annotations
 
 import atexit
+import ctypes
+from datetime import timedelta
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "connect_pairs", "flow_groups", "keep_done", "late_groups"]
+__all__ = ["all_reduce", "broadcast", "connect_pairs", "finish", "flow_groups", "late_groups", "started"]
 
 _FLOW_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 _LATE_GROUPS: dict = {}  # parent group -> {"up": group, "down": group}
 
 
-_DONE: list = []  # works of collectives waited for, kept a while (``all_reduce``)
+_IN_FLIGHT: list = []  # works of collectives left in flight (``started``)
+_DONE: list = []  # works of collectives waited for, kept a while (``finish``)
 _KEEP_DONE = 8
+_EXIT_WAIT = timedelta(seconds=10)
 
 
 @atexit.register
 def _forget_groups() -> None:
-    """Drops the cached groups and kept works while the interpreter is whole.
-    Kept until finalization, a group's gloo worker thread could free a work
-    holding a Python tensor then, take the GIL, and abort the process (the
-    caches keep even a world the user destroyed alive)."""
+    """Drops the cached groups while the interpreter is whole, and finishes
+    the collectives still in flight.
+
+    A collective's work must not be freed by a gloo worker thread once
+    finalization has begun: freeing it releases Python tensors, which takes
+    the GIL, and a thread that asks for the GIL then is ended, aborting the
+    process ("terminate called without an active exception"). The worker
+    drops its reference shortly after the work completes, with nothing to
+    say when; so the works kept here are never released (a few small objects,
+    leaked as the process ends), and whatever the worker frees is not the last
+    reference. The caches would keep even a world the user destroyed alive."""
+    for work in _IN_FLIGHT:
+        try:
+            work.wait(_EXIT_WAIT)
+        except Exception:  # a peer gone: nothing is waiting for the result
+            pass
+    for work in (*_IN_FLIGHT, *_DONE):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+    _IN_FLIGHT.clear()
+    _DONE.clear()
     _FLOW_GROUPS.clear()
     _LATE_GROUPS.clear()
-    _DONE.clear()
 
 
-def keep_done(work) -> None:
-    """Holds a waited-for ``Work`` until a few collectives later (or exit).
+def started(work):
+    """Registers the ``Work`` of a collective left in flight (``async_op=True``)
+    and returns it: ``finish`` it later; one still in flight when the process
+    exits is waited for then (a step's last loss broadcast, when the script
+    ends right after the step)."""
+    _IN_FLIGHT.append(work)
+    return work
+
+
+def finish(work) -> None:
+    """Waits for a collective's ``Work`` and holds it until a few collectives
+    later (or exit): every collective fastpipe waits for ends here.
 
     Right after a gloo collective completes, the backend's worker thread
     still holds the work; were its reference the last, that thread would
     free the work's Python tensors, taking the GIL to do it, and a process
-    that reached finalization in the meantime (a short script's last
-    ``clip_grad_norm_``, then exit) aborts. Kept here, the last reference
-    is dropped on a Python thread."""
-    _DONE.append(work)
-    if len(_DONE) > _KEEP_DONE:
-        del _DONE[0]
+    that reached finalization in the meantime (a script's last step or
+    ``clip_grad_norm_``, then exit) aborts with "terminate called without an
+    active exception". Kept here, the last reference is dropped on a Python
+    thread."""
+    try:
+        work.wait()
+    finally:
+        for i, w in enumerate(_IN_FLIGHT):
+            if w is work:
+                del _IN_FLIGHT[i]
+                break
+        _DONE.append(work)
+        if len(_DONE) > _KEEP_DONE:
+            del _DONE[0]
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
-    """``dist.all_reduce`` as a blocking call, its work freed by this thread (``keep_done``)."""
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    work.wait()
-    keep_done(work)
+    """``dist.all_reduce`` as a blocking call, its work freed by this thread (``finish``)."""
+    finish(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
+    """``dist.broadcast`` as a blocking call, its work freed by this thread (``finish``)."""
+    finish(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
 
 def flow_groups(group: dist.ProcessGroup | None) -> dict[str, dist.ProcessGroup]:
