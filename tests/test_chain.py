@@ -99,7 +99,7 @@ def test_chain_is_bit_identical_to_autograd(dtype, grads_exist, use_native):
     with pytest.raises(RuntimeError if use_native else IndexError):
         chain.backward_input(saved, g, need_input=True)  # I consumed what F saved
     assert all(p.grad is None for p in native.parameters()) or grads_exist  # nothing before W
-    deferred.run_weight(work.entries, fuse=False)  # W: autograd's rounding
+    deferred.run_weight(work.entries, False, work.calls)  # W: autograd's rounding
     for a, b in zip(_grads(eager), _grads(native)):
         assert torch.equal(a, b)
 
@@ -117,7 +117,7 @@ def test_frozen_weights_get_no_gradient_and_the_rest_is_exact(use_native):
     out, saved = chain.forward(x)
     gx, work = chain.backward_input(saved, g, need_input=False)
     assert gx is None
-    deferred.run_weight(work.entries, fuse=False)
+    deferred.run_weight(work.entries, False, work.calls)
     assert native[0].weight.grad is None and native[4].bias.grad is None
     for a, b in zip(_grads(eager), _grads(native)):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -133,7 +133,7 @@ def test_fused_weight_gradients_match_within_rounding(use_native):
         assert chain.usable(x)
         out, saved = chain.forward(x)
         _, work = chain.backward_input(saved, g, need_input=False)
-        deferred.run_weight(work.entries, fuse=True)
+        deferred.run_weight(work.entries, True, work.calls)
     for a, b in zip(_grads(eager), _grads(native)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -255,10 +255,10 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
     gathered = []
     run = deferred.run_weight
 
-    def counted(entries, fuse=True):  # microbatches gathered: entries of one Linear
-        layers = [e.layer for e in entries]
-        gathered.append(max((layers.count(k) for k in layers), default=0))
-        run(entries, fuse)
+    def counted(entries, fuse=True, calls=()):  # microbatches gathered: entries of one Linear
+        layers = [e.layer for e in entries]  # (native blocks: one a microbatch)
+        gathered.append(max((layers.count(k) for k in layers), default=len(calls)))
+        run(entries, fuse, calls)
 
     monkeypatch.setattr(deferred, "run_weight", counted)
     for mode in ("eager", "python", "native"):
@@ -273,7 +273,7 @@ def test_every_schedule_with_gathered_w_matches_autograd(schedule, chains, monke
             pipe.step(x, y, nn.functional.mse_loss)
         grads[mode] = _grads(model)
         if mode != "eager":
-            assert all(not st.weights.waiting and st.weights.nbytes == 0
+            assert all(not st.weights.holds and st.weights.nbytes == 0
                        for sts in pipe._stages.values() for st in sts.values())
             assert max(gathered) == 2  # 3 rows each; the 12x6 Linear lets 4 wait
     for a, b in zip(grads["eager"], grads["native"]):
@@ -323,8 +323,8 @@ def test_gathered_w_stacks_microbatches_up_to_the_limit():
     assert chain.usable(x)
     flushed = []
     run = deferred.run_weight
-    deferred.run_weight = lambda entries, fuse=True: (flushed.append(len(entries) // 2),
-                                                      run(entries, fuse))
+    deferred.run_weight = lambda entries, fuse=True, calls=(): (
+        flushed.append(len(entries) // 2 + len(calls)), run(entries, fuse, calls))
     queue = deferred.WeightQueue()
     try:
         for _ in range(4):

@@ -91,10 +91,11 @@ def count_native(monkeypatch):
     seen = []
     real = deferred.run_weight
 
-    def counted(entries, fuse=True):
+    def counted(entries, fuse=True, calls=()):
         if fuse:
             seen.extend((e.params[0], e) for e in entries if isinstance(e.rule, deferred.LinearRule))
-        return real(entries, fuse)
+            seen.extend((w, c) for c in calls for w in c.weights)  # a native chain's Linears
+        return real(entries, fuse, calls)
 
     monkeypatch.setattr(deferred, "run_weight", counted)
     return seen

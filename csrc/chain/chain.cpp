@@ -44,6 +44,7 @@ struct Op {
   at::Tensor weight;  // Linear only
   std::optional<at::Tensor> bias;
   at::native::GeluType gelu = at::native::GeluType::None;  // GELU only
+  std::shared_ptr<Layer> work;  // Linear only: its W this step (a WeightLayer)
 };
 
 // What a forward keeps for backward: one tensor per op (input or output).
@@ -52,8 +53,6 @@ struct Saved {
 };
 
 // W's share of one microbatch: (op index, incoming gradient, input) per Linear.
-using Item = std::tuple<std::int64_t, at::Tensor, at::Tensor>;
-
 bool needs_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
 
 // mm_mat1_backward for x @ w.t(): a column-major input gets a column-major gradient.
@@ -115,15 +114,25 @@ class Program {
     TORCH_CHECK(first_linear_ >= 0, "a chain needs a Linear");
   }
 
+  // `layers`: each Linear's WeightLayer this step, in op order (what its
+  // calls' W runs with: deferred.linear_work).
   void bind(const std::vector<std::optional<at::Tensor>>& weights, const std::vector<std::optional<at::Tensor>>& biases,
-            const std::vector<std::string>& approximate) {
+            const std::vector<std::string>& approximate, const std::vector<std::shared_ptr<Layer>>& layers) {
     TORCH_CHECK(weights.size() == ops_.size() && biases.size() == ops_.size() && approximate.size() == ops_.size(),
                 "weights, biases and approximate need one entry per op");
+    std::size_t linears = 0;
+    for (const Op& op : ops_) linears += op.kind == kLinear;
+    TORCH_CHECK(layers.size() == linears, "layers: one WeightLayer per Linear (", linears, "), got ", layers.size());
+    std::size_t next = 0;
     for (std::size_t i = 0; i < ops_.size(); ++i) {
       TORCH_CHECK(ops_[i].kind != kLinear || weights[i].has_value(), "op ", i, ": a Linear needs its weight");
       ops_[i].weight = weights[i].value_or(at::Tensor());
       ops_[i].bias = biases[i];
       if (ops_[i].kind == kGelu) ops_[i].gelu = at::native::get_gelutype_enum(approximate[i]);
+      if (ops_[i].kind == kLinear) {
+        TORCH_CHECK(layers[next] && layers[next]->kind == kLinear, "op ", i, ": not a Linear's WeightLayer");
+        ops_[i].work = layers[next++];
+      }
     }
     bound_ = true;
   }
@@ -132,6 +141,7 @@ class Program {
     for (Op& op : ops_) {
       op.weight = at::Tensor();
       op.bias = std::nullopt;
+      op.work.reset();
     }
     bound_ = false;
   }
@@ -169,13 +179,14 @@ class Program {
   }
 
   // I: the gradient of the stage input (None unless need_input) and W's
-  // share: (op index, incoming gradient, input) of each trained Linear, for
-  // deferred weight gradients (fastpipe/runtime/deferred.py) to run.
-  std::pair<std::optional<at::Tensor>, std::vector<Item>> backward_input(Saved& saved, const at::Tensor& grad,
-                                                                         bool need_input) const {
+  // share: a call (WeightLayer, input, incoming gradient) of each trained
+  // Linear, last op first, for deferred weight gradients
+  // (fastpipe/runtime/deferred.py) to run.
+  std::pair<std::optional<at::Tensor>, std::shared_ptr<Calls>> backward_input(Saved& saved, const at::Tensor& grad,
+                                                                              bool need_input) const {
     TORCH_CHECK(bound_, "no parameters bound: call bind first");
     TORCH_CHECK(saved.tensors.size() == ops_.size(), "this forward's tensors were used already");
-    std::vector<Item> items;
+    auto items = std::make_shared<Calls>();
     std::optional<at::Tensor> out;
     {
       py::gil_scoped_release nogil;
@@ -185,7 +196,7 @@ class Program {
         const Op& op = ops_[i];
         const at::Tensor& s = saved.tensors[i];
         if (op.kind == kLinear) {
-          if (op.weight.requires_grad() || needs_grad(op.bias)) items.emplace_back(i, g, s);
+          if (op.weight.requires_grad() || needs_grad(op.bias)) items->calls.push_back({op.work, s, g});
           if (i == first_linear_ && !need_input) break;  // what lies below only leads to the input
           g = input_grad(g, op.weight, s);
           continue;
@@ -264,7 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved");
   py::class_<Program>(m, "Program")
       .def(py::init<const std::vector<std::int64_t>&>(), py::arg("kinds"))
-      .def("bind", &Program::bind, py::arg("weights"), py::arg("biases"), py::arg("approximate"))
+      .def("bind", &Program::bind, py::arg("weights"), py::arg("biases"), py::arg("approximate"), py::arg("layers"))
       .def("unbind", &Program::unbind)
       .def("forward", &Program::forward, py::arg("x"))
       .def("backward_input", &Program::backward_input, py::arg("saved"), py::arg("grad"), py::arg("need_input"))

@@ -29,14 +29,6 @@ namespace {
 namespace py = pybind11;
 
 
-struct Layer {
-  std::int64_t kind;
-  std::vector<std::optional<at::Tensor>> targets;  // the parameters; nullopt: no gradient wanted
-  std::vector<std::optional<at::Tensor>> tensors;  // LayerNorm: its (detached) weight and bias
-  std::vector<std::int64_t> ints;                  // LayerNorm: normalized shape; Embedding: rows, pad, freq
-  double eps;
-};
-
 // Two WeightLayers that write the same parameters the same way: their calls
 // form one group (a chain stage makes a WeightLayer per call; those of one
 // Linear must still be gathered into one GEMM).
@@ -165,19 +157,28 @@ void embedding(const std::vector<const Item*>& items, bool fuse) {
   w.mutable_grad().index_add_(0, id, g);
 }
 
-// W of a microbatch's (or several microbatches') deferred layers: call i is
-// (layers[i], kept[i], gs[i]).
+// W of a microbatch's (or several microbatches') deferred layers: the calls
+// of `blocks` (in order), then call i of the flat lists, (layers[i], kept[i],
+// gs[i]).
 void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::vector<at::Tensor>& kept,
-                  const std::vector<at::Tensor>& gs, bool fuse) {
+                  const std::vector<at::Tensor>& gs, bool fuse, const std::vector<std::shared_ptr<Calls>>& blocks) {
   if (kept.size() != layers.size() || gs.size() != layers.size()) {
     throw py::value_error("weight_grads: " + std::to_string(layers.size()) + " layers, " +
                           std::to_string(kept.size()) + " kept tensors and " + std::to_string(gs.size()) +
                           " gradients; they must match");
   }
+  for (const auto& block : blocks) {
+    if (!block) throw py::type_error("weight_grads: a block is None");
+  }
   py::gil_scoped_release nogil;
   at::NoGradGuard no_grad;
   std::vector<Item> items;
-  items.reserve(layers.size());
+  std::size_t n = layers.size();
+  for (const auto& block : blocks) n += block->calls.size();
+  items.reserve(n);
+  for (const auto& block : blocks) {
+    for (const Call& c : block->calls) items.push_back({c.layer.get(), c.kept, c.g});
+  }
   for (std::size_t i = 0; i < layers.size(); ++i) items.push_back({layers[i].get(), kept[i], gs[i]});
   // Groups in first-seen order: a layer's calls together.
   std::vector<std::vector<const Item*>> groups;
@@ -209,6 +210,35 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
   }
 }
 
+// The rows a call adds to a gathered W, as the built-in rules count them
+// (Linear: input rows; Embedding: ids, unless frequency-scaled; 0: not
+// row-wise). Clears `gather` where the layer computes in another dtype than
+// its parameters' (autocast: deferred.WeightQueue._rows says why).
+std::int64_t call_rows(const Layer& layer, const at::Tensor& kept, const at::Tensor& g, bool& gather) {
+  std::int64_t r = 0;
+  if (layer.kind == kLinear) {
+    r = kept.size(-1) > 0 ? kept.numel() / kept.size(-1) : 0;
+  } else if (layer.kind == kEmbedding && layer.ints.size() == 3 && layer.ints[2] == 0) {
+    r = kept.numel();
+  } else {
+    return 0;
+  }
+  for (const auto& p : layer.targets) {
+    if (p.has_value() && p->scalar_type() != g.scalar_type()) gather = false;
+  }
+  return r;
+}
+
+// Whether `t` reads memory in one of `ranges` (storage address ranges: live
+// storages do not overlap, so its first byte says which).
+bool within(const at::Tensor& t, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& ranges) {
+  const auto p = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  for (const auto& [lo, hi] : ranges) {
+    if (lo <= p && p < hi) return true;
+  }
+  return false;
+}
+
 // WeightQueue.add's look at one microbatch's entries (deferred.py), made
 // here: rows, dtypes, bytes and whether a tensor reads a received buffer,
 // read per entry, for dozens of entries a microbatch on a transformer stage. Rows are counted as the built-in rules count them
@@ -218,13 +248,6 @@ py::object scan_entries(const py::list& entries, const std::vector<std::pair<std
   static PyObject* native_name = PyUnicode_InternFromString("native");
   static PyObject* saved_name = PyUnicode_InternFromString("saved");
   static PyObject* g_name = PyUnicode_InternFromString("g");
-  auto within = [&](const at::Tensor& t) {
-    const auto p = reinterpret_cast<std::uintptr_t>(t.data_ptr());
-    for (const auto& [lo, hi] : borrowed) {
-      if (lo <= p && p < hi) return true;
-    }
-    return false;
-  };
   auto attr = [](const py::handle& obj, PyObject* name) {
     py::object out = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj.ptr(), name));
     if (!out) throw py::error_already_set();
@@ -243,29 +266,18 @@ py::object scan_entries(const py::list& entries, const std::vector<std::pair<std
       throw py::type_error("scan_entries: an entry's saved is a tuple of tensors and its g a tensor");
     }
     const at::Tensor& g = THPVariable_Unpack(g_obj.ptr());
-    bool reads = within(g);
+    bool reads = within(g, borrowed);
     nbytes += static_cast<std::int64_t>(g.nbytes());
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(saved.ptr()); ++j) {
       PyObject* t = PyTuple_GET_ITEM(saved.ptr(), j);
       if (!THPVariable_Check(t)) throw py::type_error("scan_entries: an entry's saved is a tuple of tensors");
       const at::Tensor& kept = THPVariable_Unpack(t);
       nbytes += static_cast<std::int64_t>(kept.nbytes());
-      reads = reads || within(kept);
+      reads = reads || within(kept, borrowed);
     }
     if (reads) touched.append(i);
     const at::Tensor& first = THPVariable_Unpack(PyTuple_GET_ITEM(saved.ptr(), 0));
-    std::int64_t r = 0;
-    if (layer.kind == kLinear) {
-      r = first.size(-1) > 0 ? first.numel() / first.size(-1) : 0;
-    } else if (layer.kind == kEmbedding && layer.ints.size() == 3 && layer.ints[2] == 0) {
-      r = first.numel();
-    } else {
-      continue;  // not row-wise
-    }
-    for (const auto& p : layer.targets) {
-      if (p.has_value() && p->scalar_type() != g.scalar_type()) gather = false;  // autocast: see _rows
-    }
-    rows = std::max(rows, r);
+    rows = std::max(rows, call_rows(layer, first, g, gather));
   }
   return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), nbytes, touched);
 }
@@ -294,7 +306,70 @@ void register_wgrad(py::module_& m) {
            }),
            py::arg("kind"), py::arg("targets"), py::arg("tensors"), py::arg("ints"), py::arg("eps"));
   m.def("weight_grads", &weight_grads, py::arg("layers"), py::arg("kept"), py::arg("gs"), py::arg("fuse"),
-        "W of deferred layers: call i is (layers[i], kept[i], gs[i]), with the GIL released.");
+        py::arg("blocks") = std::vector<std::shared_ptr<Calls>>{},
+        "W of deferred layers: the calls of `blocks`, then call i is (layers[i], kept[i], gs[i]); "
+        "with the GIL released.");
+  py::class_<Calls, std::shared_ptr<Calls>>(m, "Calls")
+      .def("__len__", [](const Calls& c) { return c.calls.size(); })
+      .def(
+          "scan",
+          [](const Calls& c, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
+            // WeightQueue.add's look at them, as scan_entries's.
+            std::int64_t rows = 0, nbytes = 0;
+            bool gather = true, reads = false;
+            for (const Call& call : c.calls) {
+              reads = reads || within(call.kept, borrowed) || within(call.g, borrowed);
+              nbytes += static_cast<std::int64_t>(call.kept.nbytes() + call.g.nbytes());
+              rows = std::max(rows, call_rows(*call.layer, call.kept, call.g, gather));
+            }
+            return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), nbytes, reads);
+          },
+          py::arg("borrowed"),
+          "(rows or None, bytes, whether a tensor reads `borrowed` memory) of these calls.")
+      .def(
+          "own",
+          [](Calls& c, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
+            for (Call& call : c.calls) {
+              if (within(call.kept, borrowed)) call.kept = call.kept.clone();
+              if (within(call.g, borrowed)) call.g = call.g.clone();
+            }
+          },
+          py::arg("borrowed"), "Clones what reads `borrowed` memory (a buffer handed back before W runs).")
+      .def_property_readonly(
+          "limit_rows",
+          [](const Calls& c) -> py::object {
+            // WeightQueue._limit's: the rows whose kept bytes match the
+            // smallest weight matrix of these calls, out*in // (out+in).
+            std::int64_t best = -1;
+            bool gather = true;
+            for (const Call& call : c.calls) {
+              const auto& w = call.layer->targets.front();
+              if (!w.has_value() || w->dim() != 2 || call_rows(*call.layer, call.kept, call.g, gather) == 0) continue;
+              const std::int64_t o = w->size(0), i = w->size(1);
+              const std::int64_t limit = o + i > 0 ? o * i / (o + i) : 0;
+              best = best < 0 ? limit : std::min(best, limit);
+            }
+            return best < 0 ? py::none() : py::object(py::int_(best));
+          })
+      .def_property_readonly(
+          "weights",
+          [](const Calls& c) {
+            std::vector<std::optional<at::Tensor>> out;
+            for (const Call& call : c.calls) out.push_back(call.layer->targets.front());
+            return out;
+          },
+          "Each call's weight (None where it wants no gradient), in order.")
+      .def_property_readonly("kept_bytes",
+                             [](const Calls& c) {
+                               std::int64_t n = 0;
+                               for (const Call& call : c.calls) n += static_cast<std::int64_t>(call.kept.nbytes());
+                               return n;
+                             })
+      .def_property_readonly("grad_bytes", [](const Calls& c) {
+        std::int64_t n = 0;
+        for (const Call& call : c.calls) n += static_cast<std::int64_t>(call.g.nbytes());
+        return n;
+      });
   m.def("scan_entries", &scan_entries, py::arg("entries"), py::arg("borrowed"),
         "(rows or None, bytes, indices of entries reading borrowed memory) of one microbatch's "
         "deferred entries; None where one has no native WeightLayer.");

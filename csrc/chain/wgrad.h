@@ -5,6 +5,9 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
 
 namespace fastpipe {
 
@@ -12,6 +15,30 @@ namespace fastpipe {
 // `_fast`): W in wgrad.cpp knows the first three, the deferring forward in
 // defer.cpp all four.
 enum RuleKind : std::int64_t { kLinear = 0, kLayerNorm = 1, kEmbedding = 2, kRMSNorm = 3 };
+
+// What a layer's W needs that does not change from call to call within a
+// step (a `fastpipe._chain.WeightLayer`; made once per layer and step).
+struct Layer {
+  std::int64_t kind;
+  std::vector<std::optional<at::Tensor>> targets;  // the parameters; nullopt: no gradient wanted
+  std::vector<std::optional<at::Tensor>> tensors;  // LayerNorm: its (detached) weight and bias
+  std::vector<std::int64_t> ints;                  // LayerNorm: normalized shape; Embedding: rows, pad, freq
+  double eps;
+};
+
+// One call's W: its layer, what the forward kept (the input; Embedding: the
+// ids) and the output's gradient.
+struct Call {
+  std::shared_ptr<Layer> layer;
+  at::Tensor kept;
+  at::Tensor g;
+};
+
+// A microbatch's calls made in C++ (a chain stage's I: `fastpipe._chain.Calls`):
+// Python holds one object for them, not an entry per call, and W reads them here.
+struct Calls {
+  std::vector<Call> calls;
+};
 
 // Adds `weight_grads` to the module (called from chain.cpp's PYBIND11_MODULE).
 void register_wgrad(pybind11::module_& m);

@@ -88,11 +88,13 @@ class Chain:
         return self._lib is not None
 
     def _bind(self) -> None:
-        """Binds the native Program to the layers as they are now."""
+        """Binds the native Program to the layers as they are now, and to
+        each Linear's W this step (``self._work``)."""
         self._program.bind(
             [m.weight if k == _LINEAR else None for k, m in self.ops],
             [m.bias if k == _LINEAR else None for k, m in self.ops],
             [m.approximate if k == _GELU else "" for k, m in self.ops],
+            [self._work[i][2] for i, (k, _) in enumerate(self.ops) if k == _LINEAR],
         )
         self._bound = True
 
@@ -190,11 +192,11 @@ class Chain:
         hooks = native_chain()
         if hooks is not None and hooks.accumulator_hooked(present):
             return False
+        self._work = {i: deferred.linear_work(m) for i, (k, m) in enumerate(self.ops) if k == _LINEAR}
         if self._program is not None:
             self._bind()
         self._dtype = dtype
         self.trains = any(p.requires_grad for p in present)
-        self._work = {i: deferred.linear_work(m) for i, (k, m) in enumerate(self.ops) if k == _LINEAR}
         return True
 
     def accepts(self, x: torch.Tensor) -> bool:
@@ -244,9 +246,9 @@ class Chain:
         and W's share as deferred weight-gradient entries (one per trained
         Linear, its incoming gradient and input). ``saved`` is emptied: it
         cannot serve twice."""
-        if self._bound:
-            gx, items = self._program.backward_input(saved, grad, need_input)
-            return gx, self._pending(items)
+        if self._bound:  # W's share as one native block of calls
+            gx, calls = self._program.backward_input(saved, grad, need_input)
+            return gx, deferred.Pending(calls=[calls] if len(calls) else [])
         items = []
         g = grad
         with torch.no_grad():
@@ -273,7 +275,7 @@ class Chain:
         return (g if need_input else None), self._pending(items)
 
     def _pending(self, items) -> deferred.Pending:
-        """W's entries of (op index, output gradient, input) items."""
+        """W's entries of (op index, output gradient, input) items (the Python path)."""
         ops, work = self.ops, self._work
         return deferred.Pending([deferred.linear_entry(ops[i][1], g, x, work.get(i)) for i, g, x in items])
 

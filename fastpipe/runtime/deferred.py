@@ -172,9 +172,13 @@ class Entry:
 @dataclass
 class Pending:
     """One microbatch's deferred layers: an entry per call, made by the
-    forward; ``backward_input`` fills in each entry's output gradient."""
+    forward; ``backward_input`` fills in each entry's output gradient. A
+    chain stage's native I hands its calls over as ``calls`` instead
+    (``fastpipe._chain.Calls`` blocks: W reads them in C++, and Python makes
+    no entry per Linear)."""
 
     entries: list[Entry] = field(default_factory=list)
+    calls: list = field(default_factory=list)
     # The graph edge of each entry's output, where I captures its gradient.
     edges: list[GradientEdge] = field(default_factory=list)
     # Memory (storage address ranges, ``borrowed_ranges``) the executor may
@@ -186,12 +190,14 @@ class Pending:
     def kept_bytes(self) -> int:
         """Bytes the forward kept for W (what autograd would have saved for
         the weight gradients: the executor books them as saved activations)."""
-        return sum(t.numel() * t.element_size() for e in self.entries for t in e.saved)
+        return (sum(t.numel() * t.element_size() for e in self.entries for t in e.saved)
+                + sum(c.kept_bytes for c in self.calls))
 
     @property
     def grad_bytes(self) -> int:
         """Bytes of the output gradients kept for W (what I adds to memory)."""
-        return sum(e.g.numel() * e.g.element_size() for e in self.entries)
+        return (sum(e.g.numel() * e.g.element_size() for e in self.entries)
+                + sum(c.grad_bytes for c in self.calls))
 
 
 def linear_work(module: nn.Linear) -> tuple:
@@ -278,9 +284,10 @@ def accumulate(p: torch.Tensor, fresh: torch.Tensor) -> None:
         p.grad.add_(fresh)
 
 
-def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
-    """W: every entry's weight gradients into ``.grad``; entries of one layer
-    with a row-wise rule are gathered into one call of ``rule.gather``.
+def run_weight(entries: Sequence[Entry], fuse: bool = True, calls: Sequence = ()) -> None:
+    """W: every entry's weight gradients into ``.grad``, and those of the
+    native ``calls`` blocks (``Pending.calls``); entries of one layer with a
+    row-wise rule are gathered into one call of ``rule.gather``.
 
     ``fuse=False`` keeps autograd's own rounding: one entry at a time, each
     fresh gradient added to ``.grad`` as AccumulateGrad adds it.
@@ -289,10 +296,12 @@ def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
     chain = native_chain()
     if chain is not None:  # the built-in rules' W in C++, without the GIL
         done = [e for e in entries if e.native is not None]
-        if done:
+        if done or calls:
             chain.weight_grads([e.native for e in done], [e.saved[0] for e in done],
-                               [e.g for e in done], fuse)
-            left = [e for e in entries if e.native is None]
+                               [e.g for e in done], fuse, list(calls))
+            left = [e for e in entries if e.native is None] if done else entries
+    elif calls:
+        raise RuntimeError("native weight-gradient calls without fastpipe._chain")
     groups: dict[tuple, list[Entry]] = {}
     for e in left:  # one layer's calls into the same parameters (not a swapped-in replica's)
         groups.setdefault((e.layer, *map(id, e.params)), []).append(e)
@@ -305,8 +314,9 @@ def run_weight(entries: Sequence[Entry], fuse: bool = True) -> None:
                 continue
             for e in group:
                 _store(e.params, e.rule.weight_grads(e.saved, e.meta, e.params, e.g))
-    if isinstance(entries, list):
-        entries.clear()  # what W read goes now, not with the caller's last reference
+    for held in (entries, calls):
+        if isinstance(held, list):
+            held.clear()  # what W read goes now, not with the caller's last reference
 
 
 def _store(params, grads) -> None:
@@ -329,6 +339,7 @@ class WeightQueue:
 
     def __init__(self) -> None:
         self.waiting: list[Entry] = []
+        self.waiting_calls: list = []  # native blocks (``Pending.calls``)
         self.rows = 0
         self.nbytes = 0
         self.limit_rows: int | None = None
@@ -339,21 +350,21 @@ class WeightQueue:
         A tensor in ``pending.borrowed`` memory may be a view of a buffer
         the executor hands back after this W: it is cloned before it waits.
         """
-        entries = pending.entries
-        chain = native_chain() if gather else None
-        scan = chain.scan_entries(entries, pending.borrowed) if chain is not None else None
-        if scan is not None:  # every entry native: rows, bytes and borrowed readers in C++
-            rows, nbytes, touched = scan
-        else:
-            rows = self._rows(entries) if gather else None
-            nbytes, touched = None, None
-        if rows is None or self.rows + rows >= self._limit(entries):
-            entries = self.waiting + entries
-            pending.entries.clear()
+        entries, calls, own = pending.entries, pending.calls, pending.borrowed
+        rows, nbytes, touched, reads = None, None, None, ()
+        if gather:
+            rows, nbytes, touched = self._scan(entries, own) if entries else (0, 0, [])
+            scans = [c.scan(own) for c in calls]
+            for r, n, _ in scans:
+                rows = None if r is None or rows is None else max(rows, r)
+                nbytes = None if nbytes is None else nbytes + n
+            reads = [c for c, (_, _, read) in zip(calls, scans) if read]
+        if not rows or self.rows + rows >= self._limit(entries, calls):
+            entries, calls = self.waiting + entries, self.waiting_calls + calls
+            pending.entries, pending.calls = [], []
             self.clear()
-            run_weight(entries, fuse=gather)
+            run_weight(entries, gather, calls)
             return
-        own = pending.borrowed
         if touched is None:
             touched = [i for i, e in enumerate(entries)
                        if own and (_within(e.g, own) or any(_within(t, own) for t in e.saved))]
@@ -362,19 +373,37 @@ class WeightQueue:
             e.saved = tuple(t.clone() if _within(t, own) else t for t in e.saved)
             if _within(e.g, own):
                 e.g = e.g.clone()
-        self.nbytes += nbytes if nbytes is not None else sum(e.nbytes for e in entries)
+        for c in reads:
+            c.own(own)
+        if nbytes is None:  # entries scanned in Python: bytes counted here
+            nbytes = sum(e.nbytes for e in entries) + sum(n for _, n, _ in scans)
+        self.nbytes += nbytes
         self.waiting += entries
-        pending.entries.clear()
+        self.waiting_calls += calls
+        pending.entries, pending.calls = [], []
         self.rows += rows
+
+    @property
+    def holds(self) -> bool:
+        """Whether any W work waits."""
+        return bool(self.waiting or self.waiting_calls)
 
     def flush(self) -> None:
         """Runs whatever waits (the end of a step)."""
-        run_weight(self.waiting)
+        run_weight(self.waiting, True, self.waiting_calls)
         self.clear()
 
     def clear(self) -> None:
         """Drops whatever waits (a failed step), or forgets what has run."""
-        self.waiting, self.rows, self.nbytes = [], 0, 0
+        self.waiting, self.waiting_calls, self.rows, self.nbytes = [], [], 0, 0
+
+    def _scan(self, entries: list[Entry], own) -> tuple[int | None, int | None, list[int] | None]:
+        """(rows or None, bytes, entries reading ``own`` memory) of a
+        microbatch's entries: in C++ where every entry is native, else rows
+        only (``_rows``)."""
+        chain = native_chain()
+        scan = chain.scan_entries(entries, own) if chain is not None else None
+        return scan if scan is not None else (self._rows(entries), None, None)
 
     @staticmethod
     def _rows(entries: list[Entry]) -> int | None:
@@ -396,11 +425,13 @@ class WeightQueue:
                 rows = r
         return rows or None
 
-    def _limit(self, entries: list[Entry]) -> int:
+    def _limit(self, entries: list[Entry], calls: Sequence = ()) -> int:
         if self.limit_rows is None:
             sizes = [e.params[0].shape for e in entries
                      if e.rule.rows(e.saved, e.meta) is not None and e.params[0] is not None]
-            self.limit_rows = min((o * i // (o + i) for o, i in sizes), default=0)
+            limits = [o * i // (o + i) for o, i in sizes]
+            limits += [c.limit_rows for c in calls if c.limit_rows is not None]
+            self.limit_rows = min(limits, default=0)
         return self.limit_rows
 
 

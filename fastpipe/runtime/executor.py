@@ -257,7 +257,7 @@ class RankExecutor(StageCompute):
                 self.stages[i].chain.unbind()
             for layers in installed:
                 deferred.uninstall(layers)
-            if self._weights or any(st.weights.waiting for st in self.stages.values()):
+            if self._weights or any(st.weights.holds for st in self.stages.values()):
                 for st in self.stages.values():  # a failed step: W's work is dropped
                     st.weights.clear()
         leftovers = [
@@ -366,7 +366,7 @@ class RankExecutor(StageCompute):
         when the step returns; on a timeline it is a W of the step's last
         microbatch."""
         for i, stage in self.stages.items():
-            if stage.weights.waiting:
+            if stage.weights.holds:
                 self._flush_stage(i, origin)
 
     def _flush_stage(self, i: int, origin: float | None) -> None:
@@ -383,7 +383,7 @@ class RankExecutor(StageCompute):
         """Stage ``i`` ran its step's last backward: its W work still waiting
         runs now (nothing more will join it), and ``grads_done`` hears that
         its gradients are final (a data-parallel all-reduce starts there)."""
-        if self.stages[i].weights.waiting:
+        if self.stages[i].weights.holds:
             self._flush_stage(i, origin)
         self.grads_done(i)
 
