@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-from datetime import timedelta
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
