@@ -241,9 +241,9 @@ bool within(const at::Tensor& t, const std::vector<std::pair<std::uintptr_t, std
 
 // WeightQueue.add's look at one microbatch's entries (deferred.py), made
 // here: rows, dtypes, bytes and whether a tensor reads a received buffer,
-// read per entry, for dozens of entries a microbatch on a transformer stage. Rows are counted as the built-in rules count them
-// (Linear: input rows; Embedding: ids, unless frequency-scaled). None where
-// an entry has no native WeightLayer: its rule says in Python.
+// read per entry, for dozens of entries a microbatch on a transformer stage.
+// Rows are counted by call_rows. None where an entry has no native
+// WeightLayer: its rule says in Python.
 py::object scan_entries(const py::list& entries, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
   static PyObject* native_name = PyUnicode_InternFromString("native");
   static PyObject* saved_name = PyUnicode_InternFromString("saved");

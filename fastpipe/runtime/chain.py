@@ -243,9 +243,9 @@ class Chain:
     def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
                        ) -> tuple[torch.Tensor | None, deferred.Pending]:
         """I: the gradient of the stage input (None unless ``need_input``),
-        and W's share as deferred weight-gradient entries (one per trained
-        Linear, its incoming gradient and input). ``saved`` is emptied: it
-        cannot serve twice."""
+        and W's share of every trained Linear (its incoming gradient and
+        input): one native ``Calls`` block where the Program is bound, else
+        an entry per Linear. ``saved`` is emptied: it cannot serve twice."""
         if self._bound:  # W's share as one native block of calls
             gx, calls = self._program.backward_input(saved, grad, need_input)
             return gx, deferred.Pending(calls=[calls] if len(calls) else [])
