@@ -137,14 +137,16 @@ def test_profile_windows_time_every_layer(window):
     model = nn.Sequential(_Busy(2.0, 4), nn.Linear(4, 4), _Busy(2.0, 4), nn.Linear(4, 4))
     prof = profile(model, torch.randn(8, 4), chunks=2, repeats=2, warmup=0, window=window)
     assert [x.param_bytes for x in prof.layers] == [80] * 4  # (4 x 4 + 4) floats each
+    # Each 2 ms sleep is in its own layer's times, and not a whole window's
+    # (the bound is loose: a loaded machine stretches a 2 ms sleep to 13 ms).
     for busy in prof.layers[0], prof.layers[2]:
-        assert 2e-3 < busy.forward < 10e-3 and 2e-3 < busy.backward < 10e-3
+        assert 2e-3 < busy.forward < 40e-3 and 2e-3 < busy.backward < 40e-3
     # The sleep is on the way to each Linear's output, whose gradient W
     # needs: I runs it, even where the model's input needs no gradient;
     # W is the Linears' deferred weight gradients alone.
     for busy in prof.layers[0], prof.layers[2]:
-        assert 2e-3 < busy.input_backward < 10e-3
-        assert 0 < busy.weight_backward < 1e-3
+        assert 2e-3 < busy.input_backward < 40e-3
+        assert 0 < busy.weight_backward < 2e-3
     assert all(p.grad is None for p in model.parameters())
 
 
