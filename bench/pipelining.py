@@ -1,17 +1,20 @@
 """fastpipe vs torch.distributed.pipelining: same model, microbatches, schedules.
 
-Two gloo ranks on 127.0.0.1, one intra-op thread each. For every schedule
-both libraries run in the same processes, in turns (a few steps of each,
-round after round, so a slow spell of the machine falls on all), and the
-report gives each one's median step time, their ratio, and efficiency =
-(sequential fwd+bwd of all microbatches ÷ ranks) / step time. fastpipe runs
-three times: with its default on CPUs (transfers inline on the compute
-thread, through shared-memory rings since both ranks share this host:
-``Pipe(shm=None)``), with the same inline transfers through gloo
-(``shm=False``), and with its communication lanes over gloo
-(``overlap=True``); "gloo/default" and "lanes/default" are what those
-change. First each rank runs its share of the layers alone, both at once,
-with no messages: the machine's ceiling for any pipeline on these ranks.
+Two gloo ranks on 127.0.0.1, one intra-op thread each. Both libraries run
+in the same processes, and every row of the report, the baselines included,
+is timed in turns: a few steps of each, round after round, so a slow spell
+of the machine falls on all of them, and efficiencies and ratios between
+schedules compare the same minutes. The report gives each one's median step
+time, their ratio, and efficiency = (sequential fwd+bwd of all microbatches
+÷ ranks) / step time. fastpipe runs three times: with its default on CPUs
+(transfers inline on the compute thread, through shared-memory rings since
+both ranks share this host: ``Pipe(shm=None)``), with the same inline
+transfers through gloo (``shm=False``), and with its communication lanes
+over gloo (``overlap=True``); "gloo/default" and "lanes/default" are what
+those change. The sequential baseline runs on rank 0 while the other rank
+waits. The ceiling is each rank running its share of the layers alone, both
+at once, with no messages: the most any pipeline on these ranks can reach;
+"of ceiling" is its step time over fastpipe's.
 
 With ``--fused-wgrad`` fastpipe also runs with ``Pipe(fused_wgrad=True)``
 (each Linear's weight gradient accumulated by one GEMM into ``.grad``): its
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench._runner import median_time, round_robin_medians, spawn, workload_parser
+from bench._runner import round_robin_medians, spawn, workload_parser
 from bench._workloads import WORKLOADS, Workload, selected
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"]
@@ -93,7 +96,7 @@ def _torch_runner(schedule, model, rank, ranks, chunks, loss_fn, bal):
     return step
 
 
-def _alone_time(w: Workload, rank, world, warmup, repeats, bal) -> float:
+def _alone_step(w: Workload, rank, bal):
     """Each rank runs its share of the layers over every microbatch with no
     messages and no dependencies, at the same time as the other ranks: the
     machine's own ceiling for the ranks side by side (shared caches, memory
@@ -111,11 +114,14 @@ def _alone_time(w: Workload, rank, world, warmup, repeats, bal) -> float:
         for x in xs:
             part(x).float().square().mean().backward()
 
-    return round_robin_medians({"alone": step}, warmup, max(1, repeats // 3), dist.barrier,
-                               per_round=3)["alone"]
+    return step
 
 
 def _rank_main(rank, world, init, queue, name, balances, ceiling, warmup, repeats, fused=False):
+    """Builds every runner on this rank (the sequential baselines on rank 0
+    only, the ceiling, every schedule's fastpipe variants and torch's peer)
+    and times them all in one round robin: every figure of the report, the
+    efficiencies included, then comes from the same minutes of the machine."""
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
@@ -123,71 +129,70 @@ def _rank_main(rank, world, init, queue, name, balances, ceiling, warmup, repeat
     w = WORKLOADS[name]
     chunks, loss_fn = w.chunks, w.loss_fn
     x, y = w.data()
-    rows = {}
+    pipes, runners, unavailable = [], {}, {}
     try:
-        rows["alone"] = _alone_time(w, rank, world, warmup, repeats, ceiling)
+        # The baselines run on rank 0 alone; the other rank waits at the
+        # barrier around each timed call.
+        runners["sequential"] = w.sequential_step() if rank == 0 else (lambda: None)
+        runners["alone"] = _alone_step(w, rank, ceiling)
         for schedule, bal in balances.items():
             spr = 2 if schedule in TWO_STAGES else None
-            pipes = [Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
-                          stages_per_rank=spr, overlap=overlap, shm=shm)
-                     for overlap, shm in ((False, None), (False, False), (True, None))]
-            runners = {name: functools.partial(pipe.step, x, y, loss_fn)
-                       for name, pipe in zip(("ours", "gloo", "lanes"), pipes)}
+            variants = {"ours": dict(overlap=False, shm=None), "gloo": dict(overlap=False, shm=False),
+                        "lanes": dict(overlap=True, shm=None)}
             if fused:
+                variants["fused"] = dict(fused_wgrad=True)
+            for variant, kwargs in variants.items():
                 pipes.append(Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
-                                  stages_per_rank=spr, fused_wgrad=True))
-                runners["fused"] = functools.partial(pipes[-1].step, x, y, loss_fn)
-            theirs = None
+                                  stages_per_rank=spr, **kwargs))
+                runners[schedule, variant] = functools.partial(pipes[-1].step, x, y, loss_fn)
             try:
-                runners["theirs"] = functools.partial(
+                runners[schedule, "theirs"] = functools.partial(
                     _torch_runner(schedule, w.build(), rank, world, chunks, loss_fn, bal), x, y)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
-                theirs = f"n/a ({type(exc).__name__})"
-            # In turns (three steps each per round), so a slow spell of the
-            # machine falls on all three rather than on one.
-            times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
-            for pipe in pipes:
-                pipe.close()
-            rows[schedule] = (times["ours"], times["gloo"], times["lanes"],
-                              times.get("theirs", theirs), times.get("fused"))
+                unavailable[schedule, "theirs"] = f"n/a ({type(exc).__name__})"
+        if fused:
+            # A one-rank Pipe needs a one-rank group here; every rank makes it,
+            # after the world's Pipes: made before them, the world Pipes' own
+            # new_group calls hung in gloo's rendezvous (torch 2.13).
+            alone_group = dist.new_group([0])
+            if rank == 0:
+                pipe, runners["sequential fused"] = fused_sequential_step(w, group=alone_group)
+                pipes.append(pipe)
+            else:
+                runners["sequential fused"] = lambda: None
+        # In turns (three steps each per round), so a slow spell of the
+        # machine falls on every row and on the baselines alike.
+        times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
     finally:
+        for pipe in pipes:
+            pipe.close()
         dist.destroy_process_group()
-    queue.put((rank, rows))
+    queue.put((rank, {**times, **unavailable}))
 
 
-def fused_sequential_step(w: Workload):
+def fused_sequential_step(w: Workload, group=None):
     """``sequential_step`` with fused weight gradients: the model as the one
-    stage of a one-rank Pipe (local mode, so no process group is needed).
-    Returns the Pipe (to close) and the step. A plain one-rank Pipe measured
+    stage of a one-rank Pipe (local mode, or over ``group`` of one rank where
+    a process group is initialized). Returns the Pipe (to close) and the step. A plain one-rank Pipe measured
     against ``sequential_step``: the same time on the wide model, 2-5 %
     slower on the narrow one (its executor's own work), which flatters the
     narrow fused rows' efficiency by as much."""
     from fastpipe import Pipe
 
-    pipe = Pipe(w.build(), chunks=w.chunks, schedule="gpipe", devices=["cpu"], fused_wgrad=True)
+    where = {"group": group} if group is not None else {"devices": ["cpu"]}
+    pipe = Pipe(w.build(), chunks=w.chunks, schedule="gpipe", fused_wgrad=True, **where)
     x, y = w.data()
     return pipe, functools.partial(pipe.step, x, y, w.loss_fn)
-
-
-def _fused_sequential_time(w: Workload, warmup, repeats) -> float:
-    pipe, step = fused_sequential_step(w)
-    try:
-        return median_time(step, warmup, repeats, lambda: None)
-    finally:
-        pipe.close()
 
 
 def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
         fused: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    seq = median_time(w.sequential_step(), warmup, repeats, lambda: None)
-    seq_fused = _fused_sequential_time(w, warmup, repeats) if fused else None
     balances = {s: balance(w, s, ranks) for s in schedules}
     ceiling = balance(w, "1f1b", ranks)  # one stage per rank
-    rows = spawn(ranks, _rank_main, w.name, balances, ceiling, warmup, repeats, fused)[0]
+    times = spawn(ranks, _rank_main, w.name, balances, ceiling, warmup, repeats, fused)[0]
+    seq, alone, seq_fused = times["sequential"], times["alone"], times.get("sequential fused")
     ideal = seq / ranks
-    alone = rows.pop("alone")
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; "
           f"sequential fwd+bwd {seq * 1e3:.1f} ms")
     print(f"  each rank its layers alone, no pipeline (the two-rank ceiling) {alone * 1e3:.1f} ms, "
@@ -200,19 +205,23 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
     fused_head = f"{'fused ms':>10}{'torch/fused':>13}{'eff fused':>11}" if fused else ""
     print(f"  {'schedule':<18}{'fastpipe ms':>12}{'gloo ms':>9}{'lanes ms':>10}{'torch ms':>10}"
           f"{'torch/fastpipe':>16}{'gloo/default':>14}{'lanes/default':>15}{'eff fastpipe':>14}"
-          f"{'eff torch':>11}{fused_head}")
-    for schedule, (ours, gloo, lanes, theirs, ours_fused) in rows.items():
+          f"{'eff torch':>11}{'of ceiling':>12}{fused_head}")
+    for schedule in schedules:
+        ours, gloo, lanes = (times[schedule, v] for v in ("ours", "gloo", "lanes"))
+        theirs, ours_fused = times[schedule, "theirs"], times.get((schedule, "fused"))
         head = f"  {schedule:<18}{ours * 1e3:>12.1f}{gloo * 1e3:>9.1f}{lanes * 1e3:>10.1f}"
         tail = ""
         if ours_fused is not None:
             vs = f"{theirs / ours_fused:>13.2f}" if not isinstance(theirs, str) else f"{'':>13}"
             tail = f"{ours_fused * 1e3:>10.1f}{vs}{seq_fused / ranks / ours_fused:>11.2f}"
         if isinstance(theirs, str):
-            print(f"{head}{theirs:>10}{'':>16}{gloo / ours:>14.2f}{lanes / ours:>15.2f}"
-                  f"{ideal / ours:>14.2f}{'':>11}{tail}")
-            continue
-        print(f"{head}{theirs * 1e3:>10.1f}{theirs / ours:>16.2f}{gloo / ours:>14.2f}"
-              f"{lanes / ours:>15.2f}{ideal / ours:>14.2f}{ideal / theirs:>11.2f}{tail}")
+            peer = f"{theirs:>10}{'':>16}"
+            peer_eff = f"{'':>11}"
+        else:
+            peer = f"{theirs * 1e3:>10.1f}{theirs / ours:>16.2f}"
+            peer_eff = f"{ideal / theirs:>11.2f}"
+        print(f"{head}{peer}{gloo / ours:>14.2f}{lanes / ours:>15.2f}{ideal / ours:>14.2f}"
+              f"{peer_eff}{alone / ours:>12.2f}{tail}")
 
 
 def main(argv=None) -> int:
