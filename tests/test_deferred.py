@@ -20,10 +20,12 @@ from fastpipe.runtime import deferred
 from tests import models
 
 
-def _split(model: nn.Module, x: torch.Tensor, fuse: bool, seed_grad: torch.Tensor | None = None):
-    """I then W of one microbatch through ``model``; returns the input
-    gradient, the Pending's entry count and what .grad held after I."""
-    layers = deferred.install(model)
+def _split(model: nn.Module, x: torch.Tensor, fuse: bool, seed_grad: torch.Tensor | None = None,
+           kept: dict | None = None):
+    """I then W of one microbatch through ``model`` (``kept``: the plans kept
+    between steps, as a stage keeps them); returns the input gradient, the
+    Pending's entry count and what .grad held after I."""
+    layers = deferred.install(model, kept)
     try:
         pending = deferred.Pending()
         with deferred.collecting(pending):
@@ -367,20 +369,22 @@ def test_frozen_parameters_and_hooks_keep_autograd():
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
 
 
-def test_what_a_layer_defers_is_read_again_each_step_and_for_a_swapped_parameter():
-    """A layer's plan (which parameters train, hooks) is made once per step:
-    a hook or a freeze between steps is seen by the next one, and another
-    parameter object put into the layer mid-step gets W of its own."""
+@pytest.mark.parametrize("kept", [False, True])
+def test_what_a_layer_defers_is_read_again_each_step_and_for_a_swapped_parameter(kept):
+    """A layer's plan (which parameters train, hooks), kept between steps or
+    not: a hook or a freeze between steps is seen by the next one, and
+    another parameter object put into the layer mid-step gets W of its own."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     x = torch.randn(3, 4, dtype=torch.float64)
-    _, count, _ = _split(model, x.clone().requires_grad_(), fuse=False)
+    plans = {} if kept else None
+    _, count, _ = _split(model, x.clone().requires_grad_(), fuse=False, kept=plans)
     assert count == 2
     seen = []
     model[0].weight.register_hook(lambda g: seen.append(g))
     model[2].weight.requires_grad_(False)
     model.zero_grad(set_to_none=True)
-    _, count, after_i = _split(model, x.clone().requires_grad_(), fuse=False)
+    _, count, after_i = _split(model, x.clone().requires_grad_(), fuse=False, kept=plans)
     assert count == 1 and after_i["0.weight"] and len(seen) == 1  # model[2]: bias only
     assert model[2].weight.grad is None and model[2].bias.grad is not None
 
@@ -401,6 +405,83 @@ def test_what_a_layer_defers_is_read_again_each_step_and_for_a_swapped_parameter
     finally:
         deferred.uninstall(layers)
     torch.testing.assert_close(replica.grad, 2 * original.grad, rtol=0, atol=0)
+
+
+def _plans(kept: dict) -> list:
+    return [getattr(held, "slow", held).plan for held in kept.values()]
+
+
+def test_plans_are_kept_between_steps_while_their_layers_are_as_planned():
+    """A stage's plans live from step to step (making them is on the first
+    F's critical path); whatever would make one wrong is seen at the next
+    step's ``install``: the parameters' memory swapped (``p.data = ...``, as
+    ``module.to()`` does), a flag of the layer changed, a parameter object
+    replaced. Forwards and gradients stay autograd's throughout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 6), nn.Tanh(),
+                          nn.Linear(6, 3)).double()
+    ids = torch.randint(0, 11, (2, 5))
+    kept: dict = {}
+
+    def step_matches_autograd():
+        ref = copy.deepcopy(model)
+        model.zero_grad(set_to_none=True)
+        layers = deferred.install(model, kept)
+        try:
+            pending = deferred.Pending()
+            with deferred.collecting(pending):
+                out = model(ids)
+            deferred.backward_input([out], [torch.ones_like(out)], [], list(model.parameters()),
+                                    pending)
+            deferred.run_weight(pending.entries, fuse=False)
+        finally:
+            deferred.uninstall(layers)
+        expect = ref(ids)
+        expect.backward(torch.ones_like(expect))
+        torch.testing.assert_close(out, expect, rtol=0, atol=0)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+        return _plans(kept)
+
+    first = step_matches_autograd()
+    assert len(first) == 4 and all(p is not None for p in first)
+    again = step_matches_autograd()
+    assert all(a is b for a, b in zip(first, again))  # kept: nothing changed
+
+    with torch.no_grad():
+        model[2].weight.data = model[2].weight.data * 2  # new memory, same Parameter
+    model[1].eps = 1e-3
+    new = model[4].bias = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    changed = step_matches_autograd()
+    assert [a is b for a, b in zip(again, changed)] == [True, False, False, False]
+    assert changed[3][0][1] is new
+
+    model.float()  # every parameter's memory swapped, to float32
+    floats = step_matches_autograd()
+    assert not any(a is b for a, b in zip(changed, floats))
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_deferring_forwards_leave_no_cycle(keep):
+    """A layer's deferring forward and its plan (which holds the parameters)
+    go when the layer's slot and the stage's ``kept`` let them go, without
+    waiting for the garbage collector: the native forward holds the Python
+    one, which refers back weakly."""
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    kept = {} if keep else None
+    refs = []
+    for _ in range(3):
+        layers = deferred.install(model, kept)
+        refs += [weakref.ref(deferred._installed(m)) for m in model]
+        with deferred.collecting(deferred.Pending()):
+            model(torch.randn(2, 4, requires_grad=True))
+        deferred.uninstall(layers)
+    if keep:
+        assert len({id(r()) for r in refs}) == 2  # one per layer, for every step
+        kept.clear()
+    assert all(r() is None for r in refs)
 
 
 class Scale(nn.Module):

@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -485,10 +486,12 @@ class _Forward:
     instance (``install``); counts the stages that installed it.
 
     What a call needs of its parameters (which train, detached aliases,
-    whether the rule accepts the layer, hooks) is worked out once per step
-    and parameter set (``plan``, reset by ``install``): the F of a small
-    layer is a few microseconds, so per-call Python of that order is
-    felt. A parameter
+    whether the rule accepts the layer, hooks) is worked out once per
+    parameter set (``plan``): the F of a small layer is a few microseconds,
+    so per-call Python of that order is felt. Making a plan costs tens of
+    microseconds a layer, and the first F of a step is on every rank's
+    critical path, so a plan is kept from step to step while the layer is
+    as it was planned (``refresh``, at each ``install``). A parameter
     swapped in for one call (a tie's replica in local mode) makes a plan of
     its own; hooks added in the middle of a step are seen from the next."""
 
@@ -499,19 +502,58 @@ class _Forward:
         # [params, targets, detached params or None where the call cannot
         # defer, the native WeightLayer (_UNSET until the first call makes it)]
         self.plan: list | None = None
+        self.planned_fast = None  # rule._fast(module) when the native plan was set
         # The native deferring forward (fastpipe._chain.DeferringForward)
         # set on the module in this object's place, for the built-in rules:
-        # it runs the calls that match the plan this object hands it.
-        chain = _native_forwards()
-        self.fast = chain.DeferringForward(self) if chain is not None and rule._fast is not None \
-            else None
+        # it runs the calls that match the plan this object hands it. It
+        # holds this object; this one holds it weakly, so that no cycle
+        # outlives the layer's slot or the stage's ``kept`` (``forward_of``).
+        self._native: Callable[[], Any] = lambda: None
+
+    @property
+    def fast(self):
+        """The native deferring forward set in this object's place, or None."""
+        return self._native()
 
     def reset(self) -> None:
-        """Forget the plan (a new step, or the end of one): parameters,
-        hooks and flags are read afresh at the next call."""
+        """Forget the plan: parameters, hooks and flags are read afresh at
+        the next call."""
         self.plan = None
         if self.fast is not None:
             self.fast.clear_plan()
+
+    def refresh(self) -> None:
+        """A new step: keep the plan only where the layer still is as
+        planned: the same parameter objects, each training or frozen as
+        then, no hook on them, the detached aliases still viewing their
+        memory (``p.data = ...``, as ``module.to()`` does, swaps it), the
+        rule still accepting the layer with the same flags (``eps``,
+        padding row, ...). A few attribute reads a parameter."""
+        plan = self.plan
+        if plan is not None and not self._holds(plan):
+            self.reset()
+
+    def _holds(self, plan: list) -> bool:
+        params, targets, detached, _ = plan
+        if detached is None:  # the call did not defer: cheap to decide again
+            return False
+        module, rule = self.module, self.rule
+        now = rule.params(module)
+        if len(now) != len(params):
+            return False
+        for p, planned, t, d in zip(now, params, targets, detached):
+            if p is not planned:
+                return False
+            if p is None:
+                continue
+            if p.requires_grad != (t is not None) or (t is not None and param_hooked(t)):
+                return False
+            if (d.data_ptr() != p.data_ptr() or d.dtype != p.dtype or d.shape != p.shape
+                    or d.stride() != p.stride()):
+                return False
+        if not rule.accepts(module):
+            return False
+        return self.planned_fast is None or rule._fast(module) == self.planned_fast
 
     def __call__(self, *args, **kwargs):
         pending = getattr(_state, "pending", None)
@@ -533,7 +575,7 @@ class _Forward:
             chain = native_chain()
             layer = plan[3] = rule.native(targets, meta, chain) if chain is not None else None
             if self.fast is not None:  # later calls with these parameters run natively
-                kind, names, ints, eps = rule._fast(module)
+                self.planned_fast = kind, names, ints, eps = rule._fast(module)
                 self.fast.set_plan(kind, module._parameters, names, list(params), list(detached),
                                    ints, eps, rule, targets, meta, self.layer, layer)
         pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer, layer))
@@ -555,6 +597,19 @@ class _Forward:
 _configured: list[ModuleType] = []
 
 
+def forward_of(module: nn.Module, rule: WeightRule):
+    """What ``install`` sets as ``module``'s ``forward``: the native deferring
+    forward for the built-in rules where it is built (it holds the
+    ``_Forward``, which refers back weakly), else the ``_Forward``."""
+    fwd = _Forward(module, rule)
+    chain = _native_forwards()
+    if chain is None or rule._fast is None:
+        return fwd
+    native = chain.DeferringForward(fwd)
+    fwd._native = weakref.ref(native)
+    return native
+
+
 def _native_forwards() -> ModuleType | None:
     """``fastpipe._chain``, told (once) which Entry and GradientEdge its
     deferring forwards build; None where it is not built."""
@@ -565,10 +620,16 @@ def _native_forwards() -> ModuleType | None:
     return chain
 
 
-def install(root: nn.Module) -> list[nn.Module]:
+def install(root: nn.Module, kept: dict | None = None) -> list[nn.Module]:
     """Sets the deferring ``forward`` on every layer under ``root`` with a
     rule (not inside a compiled module, not where ``forward`` is already
-    set on the instance). Returns the layers, for ``uninstall``."""
+    set on the instance). Returns the layers, for ``uninstall``.
+
+    ``kept`` (a stage's, ``{id(layer): _Forward}``) keeps the deferring
+    forwards, and so their plans, from one step to the next; each plan is
+    checked afresh (``_Forward.refresh``). Kept plans hold the layers'
+    parameters as the stage does; one replaced between steps is let go at
+    the next step, or with ``kept``."""
     done = []
     for m in _modules_outside_compiled(root):
         rule = _RULES.get(type(m))
@@ -578,21 +639,27 @@ def install(root: nn.Module) -> list[nn.Module]:
         if fwd is None:
             if "forward" in m.__dict__:
                 continue  # the user's own forward on this instance: keep it
-            fwd = _Forward(m, rule)
-            m.__dict__["forward"] = fwd.fast if fwd.fast is not None else fwd
+            held = kept.get(id(m)) if kept is not None else None
+            fwd = getattr(held, "slow", held)
+            if fwd is None or fwd.module is not m or fwd.rule is not rule:
+                held = forward_of(m, rule)
+                fwd = getattr(held, "slow", held)
+                if kept is not None:
+                    kept[id(m)] = held
+            m.__dict__["forward"] = held
         fwd.users += 1
-        fwd.reset()  # a new step: parameters, hooks and flags read afresh
+        fwd.refresh()  # a new step: the plan stays only if the layer is as planned
         done.append(m)
     return done
 
 
 def uninstall(layers: list[nn.Module]) -> None:
-    """Undoes one ``install``: the class ``forward`` is back once no stage uses it."""
+    """Undoes one ``install``: the class ``forward`` is back once no stage
+    uses it (its plan then lives on only where ``install`` was given ``kept``)."""
     for m in layers:
         fwd = _installed(m)
         if fwd is not None:
             fwd.users -= 1
-            fwd.reset()  # no parameter kept alive by a plan between steps
             if fwd.users == 0:
                 del m.__dict__["forward"]
     layers.clear()

@@ -72,6 +72,9 @@ class Stage:
     # Saved-activation bytes of a forward, by (kind, input shapes and dtypes):
     # counted with hooks the first time, then looked up (hooks cost ~5 %).
     saved_bytes: dict = field(default_factory=dict, init=False)
+    # Its layers' deferring forwards, by id: their plans are kept from step
+    # to step (``deferred.install``).
+    forwards: dict = field(default_factory=dict, init=False)
     # W work of a split schedule waiting to be gathered (``deferred.WeightQueue``).
     weights: deferred.WeightQueue = field(default_factory=deferred.WeightQueue, init=False)
     # The layers as a Chain (``fastpipe.runtime.chain``) when they all are
@@ -297,7 +300,7 @@ class RankExecutor(StageCompute):
         # stages' layers defer their weight gradients to W, or to the end of
         # B (``fastpipe.runtime.deferred``).
         self._split = train and (self.fused_wgrad or any(a.kind is Kind.W for a in self.actions))
-        installed = [deferred.install(st.module) for i, st in self.stages.items()
+        installed = [deferred.install(st.module, st.forwards) for i, st in self.stages.items()
                      if i not in self._chains] if self._split else []
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
