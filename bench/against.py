@@ -13,8 +13,9 @@ for both; only ``fastpipe`` comes from each tree. The other tree must be built
                             [--rounds 3] [--steps 15]
 
 Distributed: 2 gloo ranks (``torch.distributed.run``), one thread each, every step behind a
-barrier; local: ``devices=["cpu", "cpu"]`` in one process, ``OMP_NUM_THREADS=1``. Balance
-[4, 4] for schedules with one stage per rank.
+barrier; local: ``devices=["cpu", "cpu"]`` in one process, ``OMP_NUM_THREADS=1``. Both trees
+run the split ``bench pipelining`` gives each schedule, worked out once here (two stages a
+rank for the interleaved and V schedules).
 """
 
 from __future__ import annotations
@@ -30,8 +31,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent  # this tree
 
 
-def _worker(root: str, names: list[str], schedules: list[str], steps: int, local: bool) -> None:
-    """In a fresh process: this tree's workloads, ``root``'s fastpipe; prints one JSON line."""
+def _worker(root: str, names: list[str], schedules: list[str], steps: int, local: bool,
+            balances: dict) -> None:
+    """In a fresh process: this tree's workloads, ``root``'s fastpipe, the
+    splits ``balances`` (``"workload schedule"``: layers per stage); prints
+    one JSON line."""
     sys.path.insert(0, str(HERE))
     from bench._workloads import WORKLOADS  # imports no fastpipe
 
@@ -55,7 +59,9 @@ def _worker(root: str, names: list[str], schedules: list[str], steps: int, local
         x, y = w.data()
         for schedule in schedules:
             kw = dict(devices=["cpu", "cpu"]) if local else {}
-            pipe = Pipe(w.build(), chunks=w.chunks, schedule=schedule, balance=[4, 4], **kw)
+            bal = balances[f"{name} {schedule}"]
+            pipe = Pipe(w.build(), chunks=w.chunks, schedule=schedule, balance=bal,
+                        stages_per_rank=len(bal) // 2, **kw)
             for _ in range(4):
                 pipe.step(x, y, w.loss_fn)
             times = []
@@ -73,11 +79,22 @@ def _worker(root: str, names: list[str], schedules: list[str], steps: int, local
         dist.destroy_process_group()
 
 
-def _run(root: Path, args, local: bool) -> dict:
-    names = [f"{m}-{s}" for m in (["gpt", "mlp"] if args.model == "both" else [args.model])
-             for s in (["compute", "overhead"] if args.workload == "both" else [args.workload])]
-    worker = [str(Path(__file__).resolve()), "--worker", str(root), ",".join(names),
-              args.schedules, str(args.steps)] + (["--local"] if local else [])
+def _names(args) -> list[str]:
+    return [f"{m}-{s}" for m in (["gpt", "mlp"] if args.model == "both" else [args.model])
+            for s in (["compute", "overhead"] if args.workload == "both" else [args.workload])]
+
+
+def _balances(args) -> dict:
+    from bench._workloads import WORKLOADS
+    from bench.pipelining import balance
+
+    return {f"{name} {s}": balance(WORKLOADS[name], s) for name in _names(args)
+            for s in args.schedules.split(",")}
+
+
+def _run(root: Path, args, local: bool, balances: dict) -> dict:
+    worker = [str(Path(__file__).resolve()), "--worker", str(root), ",".join(_names(args)),
+              args.schedules, str(args.steps), json.dumps(balances)] + (["--local"] if local else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable] + worker if local else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -105,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if not (other / "fastpipe" / "__init__.py").is_file():
         raise SystemExit(f"--tree {args.tree!r} holds no fastpipe package")
     modes = {"dist": [False], "local": [True], "both": [False, True]}[args.mode]
+    balances = _balances(args)
     for local in modes:
         runs: dict = {"other": [], "this": []}
         for _ in range(args.rounds):
-            runs["other"].append(_run(other, args, local))
-            runs["this"].append(_run(HERE, args, local))
+            runs["other"].append(_run(other, args, local, balances))
+            runs["this"].append(_run(HERE, args, local, balances))
         print(f"\n{'local mode' if local else '2 gloo ranks'}: median of {args.rounds} rounds, "
               f"each the median of {args.steps} steps; other = {other}")
         print(f"  {'workload schedule':<28}{'other ms':>10}{'this ms':>10}{'this/other':>12}")
@@ -122,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        root, names, schedules, steps = sys.argv[2:6]
-        _worker(root, names.split(","), schedules.split(","), int(steps), "--local" in sys.argv)
+        root, names, schedules, steps, splits = sys.argv[2:7]
+        _worker(root, names.split(","), schedules.split(","), int(steps), "--local" in sys.argv,
+                json.loads(splits))
     else:
         raise SystemExit(main())
