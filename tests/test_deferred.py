@@ -623,6 +623,14 @@ def test_split_schedule_defers_and_leaves_no_cycles():
             assert gc.collect() == 0
         finally:
             gc.enable()
+
+        def forwards():
+            return sum(isinstance(o, deferred._Forward) for o in gc.get_objects())
+
+        once = forwards()
+        pipe.step(ids, tg, models.lm_loss)
+        pipe.step(ids, tg, models.lm_loss)
+        assert forwards() == once > 0  # one per deferring layer, kept, none left behind
         pipe.close()
     finally:
         deferred.run_weight = real
