@@ -112,6 +112,32 @@ def _range(a: Action) -> record_function:
     return record_function(f"fastpipe.{a.kind.name} stage={a.stage} mb={a.microbatch}")
 
 
+# A rank's action list -> (that list, its tables): an executor is made every
+# step, and working the tables out again cost ~75 µs of its start.
+_TABLES: dict[int, tuple] = {}
+
+
+def _tables(actions: Sequence[Action]) -> tuple[dict, dict, set]:
+    """What the loop looks up by a rank's action list, worked out once per
+    list: after the action at index i, the buffers of which (stage, mb) go
+    back (``release_at``), and which stage ran its step's last backward
+    (``grads_done_at``); the (stage, mb) of each B whose very next action
+    sends its input gradient (a chain stage sends it between I and W)."""
+    hit = _TABLES.get(id(actions))
+    if hit is not None and hit[0] is actions:
+        return hit[1]
+    tables = (
+        {i: key for key, i in last_use(actions).items()},
+        {i: stage for stage, i in last_backward(actions).items()},
+        {(a.stage, a.microbatch) for a, b in zip(actions, actions[1:])
+         if a.kind is Kind.B and b.kind is Kind.SEND_B and (b.stage, b.microbatch) == (a.stage, a.microbatch)},
+    )
+    if len(_TABLES) >= 64:  # Pipes come and go: forget the oldest lists
+        _TABLES.clear()
+    _TABLES[id(actions)] = (actions, tables)
+    return tables
+
+
 class RankExecutor(StageCompute):
     """Runs the actions of one pipeline rank for one step.
 
@@ -202,17 +228,7 @@ class RankExecutor(StageCompute):
             Kind.SEND_F: RankExecutor._send_f, Kind.RECV_F: RankExecutor._recv,
             Kind.SEND_B: RankExecutor._send_b, Kind.RECV_B: RankExecutor._recv,
         }
-        # After the action at index i, hand back the buffers of this (stage, mb).
-        self._release_at = {i: key for key, i in last_use(self.actions).items()}
-        # After the action at index i, this stage's last backward of the step has run.
-        self._grads_done_at = {i: stage for stage, i in last_backward(self.actions).items()}
-        # (stage, mb) of each B whose very next action sends its input gradient:
-        # a chain stage sends it between I and W (``_backward``).
-        self._send_after_i = {
-            (a.stage, a.microbatch) for a, b in zip(self.actions, self.actions[1:])
-            if a.kind is Kind.B and b.kind is Kind.SEND_B
-            and (b.stage, b.microbatch) == (a.stage, a.microbatch)
-        }
+        self._release_at, self._grads_done_at, self._send_after_i = _tables(self.actions)
         # Saved-activation bytes of each (stage, mb) alive, and the step's peak.
         self._saved_bytes = SavedBytes(p for st in stages.values() for p in st.module.parameters())
         self._activations: dict[tuple[int, int], int] = {}

@@ -23,14 +23,22 @@ class SavedBytes:
     """A running count of saved-tensor bytes (``total``) while ``counting()`` is active.
 
     The hooks chain to any saved-tensor hooks already active on the thread
-    (offloading, for instance), so counting changes nothing else.
+    (offloading, for instance), so counting changes nothing else. ``params``
+    is iterated at the first count (a generator over modules then sees the
+    parameters they hold at that moment).
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
-        self._params = {_storage(p) for p in params}
+        # Walked at the first count, not here: most steps count nothing (the
+        # sizes are known from an earlier step), and an executor is made every
+        # step, where walking a GPT stage's parameters cost ~90 µs.
+        self._given = params
+        self._params: set[int] | None = None
         self.total = 0
 
     def _pack(self, t: torch.Tensor):
+        if self._params is None:
+            self._params = {_storage(p) for p in self._given}
         if _storage(t) not in self._params:
             self.total += t.numel() * t.element_size()
         return self._outer[0](t) if self._outer else t
