@@ -460,6 +460,11 @@ def test_plans_are_kept_between_steps_while_their_layers_are_as_planned():
     floats = step_matches_autograd()
     assert not any(a is b for a, b in zip(changed, floats))
 
+    model[2] = nn.Linear(6, 6)  # a layer replaced: its old forward is let go
+    step_matches_autograd()
+    held = kept[id(model[2])]
+    assert len(kept) == 4 and getattr(held, "slow", held).module is model[2]
+
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_deferring_forwards_leave_no_cycle(keep):

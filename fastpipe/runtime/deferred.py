@@ -625,16 +625,18 @@ def install(root: nn.Module, kept: dict | None = None) -> list[nn.Module]:
     rule (not inside a compiled module, not where ``forward`` is already
     set on the instance). Returns the layers, for ``uninstall``.
 
-    ``kept`` (a stage's, ``{id(layer): _Forward}``) keeps the deferring
-    forwards, and so their plans, from one step to the next; each plan is
-    checked afresh (``_Forward.refresh``). Kept plans hold the layers'
-    parameters as the stage does; one replaced between steps is let go at
-    the next step, or with ``kept``."""
+    ``kept`` (a stage's: ``{id(layer): what install set as its forward}``)
+    keeps the deferring forwards, and so their plans, from one step to the
+    next; each plan is checked afresh (``_Forward.refresh``). Kept plans
+    hold the layers' parameters as the stage does; a parameter or layer
+    replaced between steps is let go at the next step, or with ``kept``."""
     done = []
+    seen = set()
     for m in _modules_outside_compiled(root):
         rule = _RULES.get(type(m))
         if rule is None:
             continue
+        seen.add(id(m))
         fwd = _installed(m)
         if fwd is None:
             if "forward" in m.__dict__:
@@ -650,6 +652,9 @@ def install(root: nn.Module, kept: dict | None = None) -> list[nn.Module]:
         fwd.users += 1
         fwd.refresh()  # a new step: the plan stays only if the layer is as planned
         done.append(m)
+    if kept is not None and not seen.issuperset(kept):  # layers no longer under root
+        for gone in [k for k in kept if k not in seen]:
+            del kept[gone]
     return done
 
 
