@@ -488,8 +488,8 @@ class _Forward:
     What a call needs of its parameters (which train, detached aliases,
     whether the rule accepts the layer, hooks) is worked out once per
     parameter set (``plan``): the F of a small layer is a few microseconds,
-    so per-call Python of that order is felt. Making a plan costs tens of
-    microseconds a layer, and the first F of a step is on every rank's
+    so per-call Python of that order is felt. Making a plan is far more
+    work than a call, and the first F of a step is on every rank's
     critical path, so a plan is kept from step to step while the layer is
     as it was planned (``refresh``, at each ``install``). A parameter
     swapped in for one call (a tie's replica in local mode) makes a plan of

@@ -113,7 +113,8 @@ def _range(a: Action) -> record_function:
 
 
 # A rank's action list -> (that list, its tables): an executor is made every
-# step, and working the tables out again cost ~75 µs of its start.
+# step, before the rank's first action, so the tables are worked out once per
+# list (docs/benchmarks.md, "A step's start").
 _TABLES: dict[int, tuple] = {}
 
 

@@ -30,8 +30,8 @@ class SavedBytes:
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         # Walked at the first count, not here: most steps count nothing (the
-        # sizes are known from an earlier step), and an executor is made every
-        # step, where walking a GPT stage's parameters cost ~90 µs.
+        # sizes are known from an earlier step), and an executor, made every
+        # step before the rank's first action, would walk them each time.
         self._given = params
         self._params: set[int] | None = None
         self.total = 0
