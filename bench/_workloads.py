@@ -4,7 +4,10 @@ A workload is a model family and a size: ``gpt`` is the transformer people
 pipeline (``tests.models.gpt``: token and position embedding, pre-LN blocks
 with causal attention through ``scaled_dot_product_attention`` and a GELU
 MLP, final LayerNorm and vocabulary head, next-token cross-entropy); ``mlp``
-is a stack of Linear/GELU/Linear blocks (MSE). Each comes in a
+is a stack of Linear/GELU/Linear blocks (MSE); ``hf-gpt2`` is Hugging Face's
+own GPT-2 (``GPT2LMHeadModel`` built from a config, tied embeddings, its
+``Conv1D`` projections) cut by ``fastpipe.hf.causal_lm``, asked for by name
+only (it needs ``transformers``). Each comes in a
 compute-bound size (arithmetic dominates) and an overhead-bound one
 (per-op framework cost dominates). Every library gets the same layers per
 stage (``Workload.balance``), so ratios compare schedules and runtimes, not
@@ -22,7 +25,7 @@ from torch import nn
 
 from tests.models import gpt, gpt_batch, lm_loss
 
-MODELS = ["gpt", "mlp"]
+MODELS = ["gpt", "mlp"]  # what --model both runs; hf-gpt2 by name
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class Workload:
         """The model, the same weights every call (seeded)."""
         if self.model == "gpt":
             return gpt(dtype=torch.float32, seed=0, **self.sizes)
+        if self.model == "hf-gpt2":
+            return _hf_gpt2(**self.sizes)
         torch.manual_seed(0)
         width, blocks = self.sizes["width"], self.sizes["blocks"]
         return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
@@ -50,6 +55,10 @@ class Workload:
         """One step's input and target."""
         if self.model == "gpt":
             return gpt_batch(self.batch, self.sizes["vocab"], self.sizes["seq"], seed=seed)
+        if self.model == "hf-gpt2":  # labels are the ids: the loss shifts them
+            ids = torch.randint(self.sizes["vocab"], (self.batch, self.sizes["seq"]),
+                                generator=torch.Generator().manual_seed(seed))
+            return ids, ids
         g = torch.Generator().manual_seed(seed)
         width = self.sizes["width"]
         return (torch.randn(self.batch, width, generator=g),
@@ -57,12 +66,16 @@ class Workload:
 
     @property
     def loss_fn(self) -> Callable:
+        if self.model == "hf-gpt2":
+            from fastpipe.hf import lm_loss as hf_loss
+
+            return hf_loss
         return lm_loss if self.model == "gpt" else nn.functional.mse_loss
 
     def describe(self) -> str:
-        if self.model == "gpt":
+        if self.model in ("gpt", "hf-gpt2"):
             s = self.sizes
-            return (f"GPT {s['blocks']} blocks d={s['d']} heads={s['heads']} seq={s['seq']} "
+            return (f"{'GPT' if self.model == 'gpt' else 'HF GPT-2'} {s['blocks']} blocks d={s['d']} heads={s['heads']} seq={s['seq']} "
                     f"vocab={s['vocab']}, batch {self.batch}, {self.chunks} microbatches")
         return (f"{self.sizes['blocks']} MLP blocks d={self.sizes['width']}, batch {self.batch}, "
                 f"{self.chunks} microbatches")
@@ -96,10 +109,26 @@ WORKLOADS = {
         # GPT: 6 blocks + embedding + head = 8 layers (2 per stage on 4 stages).
         Workload("gpt", "compute", dict(vocab=2048, d=256, heads=4, blocks=6, seq=64), 8, 8),
         Workload("gpt", "overhead", dict(vocab=256, d=64, heads=2, blocks=6, seq=16), 16, 8),
+        Workload("hf-gpt2", "compute", dict(vocab=2048, d=256, heads=4, blocks=6, seq=64), 8, 8),
+        Workload("hf-gpt2", "overhead", dict(vocab=256, d=64, heads=2, blocks=6, seq=16), 16, 8),
         Workload("mlp", "compute", dict(width=512, blocks=8), 64, 8),
         Workload("mlp", "overhead", dict(width=128, blocks=8), 64, 16),
     )
 }
+
+
+def _hf_gpt2(vocab: int, d: int, heads: int, blocks: int, seq: int) -> nn.Sequential:
+    """GPT2LMHeadModel from a config (nothing downloaded; no dropout, tied
+    embeddings), float32, as ``causal_lm``'s Sequential: blocks + 3 layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fastpipe.hf import causal_lm
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=blocks, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=seq,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return causal_lm(GPT2LMHeadModel(config).float())
 
 
 @functools.cache
@@ -119,6 +148,6 @@ def _profile(name: str):
 
 def selected(args) -> list[Workload]:
     """The workloads ``--model`` and ``--workload`` ask for, GPT first."""
-    models = MODELS if args.model == "both" else [args.model]
+    models = MODELS if args.model == "both" else [args.model]  # "hf-gpt2" only by name
     sizes = ["compute", "overhead"] if args.workload == "both" else [args.workload]
     return [WORKLOADS[f"{m}-{s}"] for m in models for s in sizes]

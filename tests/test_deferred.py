@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fastpipe import Pipe
-from fastpipe.runtime import deferred
+from fastpipe.runtime import deferred, weight_rules
 from tests import models
 
 
@@ -40,13 +40,59 @@ def _split(model: nn.Module, x: torch.Tensor, fuse: bool, seed_grad: torch.Tenso
     return gx, count, after_i
 
 
+class Conv1DLike(nn.Module):
+    """GPT-2's Conv1D as transformers writes it, without transformers."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        x = x.view(size_out)
+        return x
+
+
+class RMSNormLike(nn.Module):
+    """The Llama family's RMSNorm as transformers writes it."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class RMSNormScaledInFloat(RMSNormLike):
+    """Another formula (the weight applied before the cast back): not the rule's."""
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return (self.weight * hidden_states).to(input_dtype)
+
+
 LAYERS = {
     "linear-2d": (lambda: nn.Linear(7, 5), (3, 7)),
     "linear-3d-no-bias": (lambda: nn.Linear(7, 5, bias=False), (2, 3, 7)),
     "layernorm": (lambda: nn.LayerNorm(7), (2, 3, 7)),
     "layernorm-no-bias": (lambda: nn.LayerNorm(7, bias=False), (4, 7)),
     "rmsnorm": (lambda: nn.RMSNorm(7), (2, 3, 7)),
+    "hf-conv1d": (lambda: Conv1DLike(5, 7), (2, 3, 7)),
+    "hf-rmsnorm": (lambda: RMSNormLike(7), (2, 3, 7)),
 }
+GATHERED = {"linear-2d", "linear-3d-no-bias", "hf-conv1d"}  # fused: one GEMM, other rounding
 
 
 @pytest.fixture(params=["native", "python"])
@@ -78,7 +124,7 @@ def test_rule_matches_autograd(name, fuse, w_path):
         xr = x.detach().clone().requires_grad_()
         ref(xr).backward(g)
         torch.testing.assert_close(gx, xr.grad, rtol=0, atol=0)
-    exact = {"rtol": 0, "atol": 0} if not fuse or "linear" not in name else {}
+    exact = {"rtol": 0, "atol": 0} if not fuse or name not in GATHERED else {}
     for (n, p), q in zip(layer.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n, **exact)
 
@@ -118,8 +164,82 @@ def _embedding_rule_with_padding_and_frequency_scaling(fuse: bool):
             assert not emb.weight.grad[2].any()
 
 
-NATIVE_FORWARD_LAYERS = {
-    **LAYERS,
+@pytest.mark.parametrize("name", ["hf-conv1d", "hf-rmsnorm"])
+def test_recognised_layers_defer_under_autocast_as_autograd_computes(name):
+    """bf16 autocast: the deferring forward's output, the input gradient and
+    the weight gradients (W per microbatch) are the plain layer's bit for bit."""
+    build, shape = LAYERS[name]
+    torch.manual_seed(0)
+    layer = build()
+    ref = copy.deepcopy(layer)
+    xs = [torch.randn(shape, requires_grad=True) for _ in range(2)]
+    layers = deferred.install(layer)
+    outs, gxs = [], []
+    try:
+        for x in xs:
+            pending = deferred.Pending()
+            with deferred.collecting(pending), torch.autocast("cpu", torch.bfloat16):
+                out = layer(x)
+            outs.append(out)
+            before = [p.grad for p in layer.parameters()]
+            gxs += deferred.backward_input([out], [torch.ones_like(out)], [x],
+                                           list(layer.parameters()), pending)
+            assert len(pending.entries) == 1
+            assert all(p.grad is b for p, b in zip(layer.parameters(), before))
+            # One microbatch at a time, as the executor runs W under autocast.
+            deferred.run_weight(pending.entries, fuse=True)
+    finally:
+        deferred.uninstall(layers)
+    for x, out, gx in zip(xs, outs, gxs):
+        xr = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            want = ref(xr)
+        want.backward(torch.ones_like(want))
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(gx, xr.grad, rtol=0, atol=0)
+    for p, q in zip(layer.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_layers_are_recognised_by_their_forwards_code():
+    """A class is deferred when its forward is the reference formula, under
+    any name; an edited formula keeps the plain backward."""
+    assert isinstance(deferred.rule_for(Conv1DLike), weight_rules.Conv1DRule)
+    assert isinstance(deferred.rule_for(RMSNormLike), weight_rules.ScaledRMSNormRule)
+    assert deferred.rule_for(RMSNormScaledInFloat) is None
+    assert deferred.rule_for(nn.GELU) is None
+    layer = nn.Sequential(RMSNormScaledInFloat(4), Conv1DLike(3, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    _, count, after_i = _split(layer, x, fuse=True)
+    assert count == 1 and after_i == {"0.weight": True, "1.weight": False, "1.bias": False}
+
+
+def test_transformers_layers_are_recognised():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    assert isinstance(deferred.rule_for(transformers.pytorch_utils.Conv1D), weight_rules.Conv1DRule)
+    for norm in (LlamaRMSNorm, Qwen2RMSNorm):
+        assert isinstance(deferred.rule_for(norm), weight_rules.ScaledRMSNormRule), norm
+    assert deferred.rule_for(GemmaRMSNorm) is None  # (1 + weight), scaled in float32
+    block = models.hf_gpt2_lm().transformer.h[0]
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    layers = deferred.install(block)
+    try:
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            block(x)
+        # 4 Conv1Ds and 2 LayerNorms of the block defer their weight gradients.
+        assert sorted(type(e.rule).__name__ for e in pending.entries) == \
+            ["Conv1DRule"] * 4 + ["LayerNormRule"] * 2
+    finally:
+        deferred.uninstall(layers)
+
+
+NATIVE_FORWARD_LAYERS = {  # the rules with a C++ forward (WeightRule._fast)
+    **{name: layer for name, layer in LAYERS.items() if not name.startswith("hf-")},
     "embedding": (lambda: nn.Embedding(9, 7), None),
     "embedding-padding": (lambda: nn.Embedding(9, 7, padding_idx=2), None),
     "embedding-frequency": (lambda: nn.Embedding(9, 7, scale_grad_by_freq=True), None),

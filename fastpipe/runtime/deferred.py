@@ -6,7 +6,8 @@ in time the schedule would otherwise leave idle. Here the split is made by
 the layers themselves, as in the zero-bubble paper's implementation and
 Megatron's ``delay_wgrad_compute``: while a stage runs forward under a
 split schedule, every layer with a rule (``nn.Linear``, ``nn.LayerNorm``,
-``nn.RMSNorm``, ``nn.Embedding``, and what users register) calls its usual
+``nn.RMSNorm``, ``nn.Embedding``, Hugging Face's ``Conv1D`` and Llama-style
+RMSNorm, and what users register) calls its usual
 functional op with its parameters *detached*, so autograd's node for it
 computes the input gradient only, and appends to the microbatch's
 :class:`Pending` what the rule kept for W and the graph edge of its output.
@@ -67,7 +68,7 @@ from fastpipe.runtime.eager_checks import param_hooked
 __all__ = [
     "EmbeddingRule", "Entry", "LayerNormRule", "LinearRule", "Pending", "RMSNormRule", "WeightQueue",
     "WeightRule", "accumulate", "backward_input", "collecting", "install", "linear_entry", "linear_work",
-    "register_weight_rule", "run_weight", "uninstall",
+    "register_weight_rule", "rule_for", "run_weight", "uninstall",
 ]
 
 
@@ -148,6 +149,43 @@ def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
     if not isinstance(rule, WeightRule):
         raise TypeError(f"rule must be a fastpipe WeightRule, got {type(rule).__name__}")
     _RULES[layer_type] = rule
+
+
+# Layers of libraries fastpipe does not import (Hugging Face's Conv1D, the
+# Llama family's RMSNorm) are recognised by their ``forward``'s code: a class
+# whose forward compiles to the same instructions, names and constants as a
+# reference function computes what the reference does, whatever the class is
+# called or wherever it lives, while any edit to it (another formula, a cast
+# moved) makes it a stranger that keeps the plain backward.
+_BY_CODE: dict[tuple, WeightRule] = {}
+_RECOGNISED: dict[type, WeightRule | None] = {}  # per class, once
+
+
+def _code_key(fn: Callable) -> tuple | None:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    return code.co_code, code.co_names, code.co_consts, code.co_argcount
+
+
+def _register_by_code(reference: Callable, rule: WeightRule) -> None:
+    """Defers layers whose class ``forward`` is ``reference``'s code with ``rule``."""
+    _BY_CODE[_code_key(reference)] = rule
+    _RECOGNISED.clear()
+
+
+def rule_for(layer_type: type) -> WeightRule | None:
+    """The rule deferring layers of ``layer_type``: registered for the exact
+    type, else recognised by the class ``forward``'s code; None: the plain backward."""
+    rule = _RULES.get(layer_type)
+    if rule is not None:
+        return rule
+    try:
+        return _RECOGNISED[layer_type]
+    except KeyError:
+        key = _code_key(getattr(layer_type, "forward", None))
+        found = _RECOGNISED[layer_type] = _BY_CODE.get(key) if key is not None else None
+        return found
 
 
 # --- the entries W runs ---------------------------------------------------------
@@ -633,7 +671,7 @@ def install(root: nn.Module, kept: dict | None = None) -> list[nn.Module]:
     done = []
     seen = set()
     for m in _modules_outside_compiled(root):
-        rule = _RULES.get(type(m))
+        rule = rule_for(type(m))
         if rule is None:
             continue
         seen.add(id(m))

@@ -1,9 +1,13 @@
 """The built-in weight rules: ``nn.Linear``, ``nn.LayerNorm``, ``nn.RMSNorm``
-and ``nn.Embedding`` compute only their input gradient in I and leave their
-weight gradients to W (``fastpipe.runtime.deferred`` runs both halves).
-Each keeps what autograd would keep, in the dtype autograd would use under
-autocast, and registers itself when this module is imported (``deferred``
-imports it)."""
+and ``nn.Embedding``, and two layers of Hugging Face models, GPT-2's
+``Conv1D`` and the Llama family's RMSNorm, compute only their input
+gradient in I and leave their weight gradients to W
+(``fastpipe.runtime.deferred`` runs both halves). Each keeps what autograd
+would keep, in the dtype autograd would use under autocast, and registers
+itself when this module is imported (``deferred`` imports it). The Hugging
+Face layers are recognised by their ``forward``'s code
+(``deferred.rule_for``), so transformers is never imported here and a
+release that changes their formula falls back to the plain backward."""
 
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpipe.runtime.deferred import WeightRule, register_weight_rule
+from fastpipe.runtime.deferred import WeightRule, _register_by_code, register_weight_rule
 
-__all__ = ["EmbeddingRule", "LayerNormRule", "LinearRule", "RMSNormRule"]
+__all__ = ["Conv1DRule", "EmbeddingRule", "LayerNormRule", "LinearRule", "RMSNormRule",
+           "ScaledRMSNormRule"]
 
 _aten = torch.ops.aten
 
@@ -207,8 +212,90 @@ class EmbeddingRule(WeightRule):
         return (None,)
 
 
+class Conv1DRule(WeightRule):
+    """Hugging Face's ``Conv1D`` (GPT-2): ``addmm(b, x, W)`` with ``W`` stored
+    (in, out), a Linear's weight transposed. W is ``xᵀg`` and ``Σ g``, what
+    autograd's ``addmm`` backward computes for a row-major weight; calls of
+    several microbatches are gathered into one GEMM, as for a Linear."""
+
+    def params(self, m):
+        return (m.weight, m.bias)
+
+    def forward(self, m, x, detached):
+        w, b = detached
+        x2 = x.view(-1, x.size(-1))
+        low = _amp_dtype(x)
+        if low is not None and x2.dtype != low and x2.is_floating_point():
+            x2 = x2.to(low)  # cast as autocast's addmm casts it: W keeps what autograd keeps
+        return torch.addmm(b, x2, w).view(x.size()[:-1] + (m.nf,)), (x2.detach(),), None
+
+    def weight_grads(self, kept, meta, targets, g):
+        g2 = g.reshape(-1, g.shape[-1])
+        pw, pb = targets
+        return (torch.mm(kept[0].t(), g2) if pw is not None else None,
+                g2.sum(0) if pb is not None else None)
+
+    def rows(self, kept, meta):
+        return kept[0].shape[0]
+
+    def gather(self, entries):
+        pw, pb = entries[0].params
+        x2 = torch.cat([e.saved[0] for e in entries]) if len(entries) > 1 else entries[0].saved[0]
+        g2 = torch.cat([_rows2d(e.g) for e in entries]) if len(entries) > 1 else _rows2d(entries[0].g)
+        gw = None
+        if pw is not None:
+            if pw.grad is not None and pw.grad.dtype == g2.dtype == x2.dtype and pw.grad.is_contiguous():
+                pw.grad.addmm_(x2.t(), g2)
+            else:
+                gw = torch.mm(x2.t(), g2)
+        return gw, (g2.sum(0) if pb is not None else None)
+
+
+class ScaledRMSNormRule(WeightRule):
+    """The Llama family's RMSNorm (``LlamaRMSNorm`` and the classes copied
+    from it): normalised in float32, cast back to the input's dtype, then
+    scaled by the weight. Keeps the normalised input autograd keeps for the
+    weight; W is ``Σ g · x̂``."""
+
+    def params(self, m):
+        return (m.weight,)
+
+    def forward(self, m, x, detached):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)
+        xhat = h.to(dtype)
+        return detached[0] * xhat, (xhat.detach(),), None
+
+    def weight_grads(self, kept, meta, targets, g):
+        if targets[0] is None:
+            return (None,)
+        grad = g * kept[0]
+        return (grad.sum(tuple(range(grad.dim() - 1))),)
+
+
+# The forwards the Hugging Face rules stand for, as transformers writes them:
+# only their code is compared (deferred.rule_for), they never run.
+
+def _conv1d_forward(self, x):
+    size_out = x.size()[:-1] + (self.nf,)
+    x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+    x = x.view(size_out)
+    return x
+
+
+def _llama_rms_norm_forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
 register_weight_rule(nn.Linear, LinearRule())
 register_weight_rule(nn.LayerNorm, LayerNormRule())
 register_weight_rule(nn.Embedding, EmbeddingRule())
 if hasattr(nn, "RMSNorm"):
     register_weight_rule(nn.RMSNorm, RMSNormRule())
+_register_by_code(_conv1d_forward, Conv1DRule())
+_register_by_code(_llama_rms_norm_forward, ScaledRMSNormRule())
