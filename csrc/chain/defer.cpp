@@ -105,7 +105,7 @@ class DeferringForward {
                 std::vector<py::object> params, const py::list& detached,
                 std::vector<std::int64_t> ints, std::optional<double> eps, py::object rule,
                 py::object targets, py::object meta, py::object layer, py::object native) {
-    if (kind < kLinear || kind > kRMSNorm) throw py::value_error("unknown deferring-forward kind");
+    if (kind < kLinear || kind > kConv1D) throw py::value_error("unknown deferring-forward kind");
     if (names.size() != params.size() || names.size() != detached.size() || names.empty()) {
       throw py::value_error("a plan needs one name, parameter and detached tensor per parameter");
     }
@@ -114,6 +114,9 @@ class DeferringForward {
     for (const auto& d : detached) p.detached.push_back(tensor_or_none(d));
     if (kind == kEmbedding && (p.ints.size() != 2 || !p.detached[0])) {
       throw py::value_error("an Embedding plan needs its weight, padding row and frequency flag");
+    }
+    if (kind == kConv1D && (p.ints.size() != 1 || p.detached.size() != 2 || !p.detached[0] || !p.detached[1])) {
+      throw py::value_error("a Conv1D plan needs its weight, its bias and its output width");
     }
     plan_ = std::move(p);
   }
@@ -132,16 +135,27 @@ class DeferringForward {
     const at::Tensor& x = THPVariable_Unpack(args[0].ptr());
     at::Tensor out;
     at::Tensor kept;
+    // Cast as autocast casts a linear's (an addmm's) input, so W keeps that copy.
+    auto autocast_input = [](const at::Tensor& in) {
+      const auto dev = in.device().type();
+      if (at::autocast::is_autocast_available(dev) && at::autocast::is_autocast_enabled(dev)) {
+        const auto low = at::autocast::get_autocast_dtype(dev);
+        if (in.scalar_type() != low && in.is_floating_point()) return in.to(low);
+      }
+      return in;
+    };
     switch (p.kind) {
       case kLinear: {
-        // Cast as autocast casts a linear's input, so W keeps that copy.
-        at::Tensor in = x;
-        const auto dev = x.device().type();
-        if (at::autocast::is_autocast_available(dev) && at::autocast::is_autocast_enabled(dev)) {
-          const auto low = at::autocast::get_autocast_dtype(dev);
-          if (x.scalar_type() != low && x.is_floating_point()) in = x.to(low);
-        }
+        at::Tensor in = autocast_input(x);
         out = at::linear(in, *p.detached[0], p.detached[1]);
+        kept = in.detach();
+        break;
+      }
+      case kConv1D: {  // weight_rules.Conv1DRule.forward
+        at::Tensor in = autocast_input(x.view({-1, x.size(-1)}));
+        std::vector<std::int64_t> size = x.sizes().vec();
+        size.back() = p.ints[0];
+        out = at::addmm(*p.detached[1], in, *p.detached[0]).view(size);
         kept = in.detach();
         break;
       }

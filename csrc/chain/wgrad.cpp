@@ -11,8 +11,8 @@
 // call within a step (kind, target parameters, LayerNorm's weight and bias,
 // shapes): deferred.py makes one per layer and step, so a call's work is just
 // (layer, kept, g) and W passes three flat lists. Calls of one layer form a
-// group (first-seen order); Linear and Embedding groups are gathered into one
-// GEMM / index_add_ when `fuse` is set.
+// group (first-seen order); Linear (and Conv1D) and Embedding groups are
+// gathered into one GEMM / index_add_ when `fuse` is set.
 #include "wgrad.h"
 
 #include <algorithm>
@@ -74,19 +74,22 @@ void accumulate(const at::Tensor& p, const at::Tensor& fresh) {
 // hundreds of these a step).
 at::Tensor rows2d(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
 
-// g^T x and sum(g) over the rows; fused: straight into an existing .grad of
-// the computation's dtype (addmm_), as deferred._linear_grads.
-void linear(const std::vector<const Item*>& items, bool fuse) {
+// g^T x (a Conv1D's weight, stored transposed: x^T g) and sum(g) over the
+// rows; fused: straight into an existing .grad of the computation's dtype
+// (addmm_), as deferred._linear_grads and Conv1DRule.gather.
+void linear(const std::vector<const Item*>& items, bool fuse, bool transposed) {
   const auto& targets = items.front()->layer->targets;
   auto run = [&](const at::Tensor& g, const at::Tensor& x, bool fused) {
     if (targets[0].has_value()) {
       const at::Tensor& w = *targets[0];
       const at::Tensor& grad = w.grad();
+      const at::Tensor a = transposed ? x.t() : g.t();
+      const at::Tensor& b = transposed ? g : x;
       if (fused && grad.defined() && grad.scalar_type() == g.scalar_type() &&
           x.scalar_type() == g.scalar_type() && grad.is_contiguous()) {
-        w.mutable_grad().addmm_(g.t(), x);
+        w.mutable_grad().addmm_(a, b);
       } else {
-        accumulate(w, at::mm(g.t(), x));
+        accumulate(w, at::mm(a, b));
       }
     }
     if (targets.size() > 1 && targets[1].has_value()) accumulate(*targets[1], g.sum(0));
@@ -196,7 +199,8 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
   for (const auto& group : groups) {
     switch (group.front()->layer->kind) {
       case kLinear:
-        linear(group, fuse);
+      case kConv1D:
+        linear(group, fuse, group.front()->layer->kind == kConv1D);
         break;
       case kLayerNorm:
         for (const Item* it : group) layer_norm(*it);
@@ -216,7 +220,7 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
 // its parameters' (autocast: deferred.WeightQueue._rows says why).
 std::int64_t call_rows(const Layer& layer, const at::Tensor& kept, const at::Tensor& g, bool& gather) {
   std::int64_t r = 0;
-  if (layer.kind == kLinear) {
+  if (layer.kind == kLinear || layer.kind == kConv1D) {
     r = kept.size(-1) > 0 ? kept.numel() / kept.size(-1) : 0;
   } else if (layer.kind == kEmbedding && layer.ints.size() == 3 && layer.ints[2] == 0) {
     r = kept.numel();
@@ -288,11 +292,11 @@ void register_wgrad(py::module_& m) {
   py::class_<Layer, std::shared_ptr<Layer>>(m, "WeightLayer")
       .def(py::init([](std::int64_t kind, std::vector<std::optional<at::Tensor>> targets,
                        std::vector<std::optional<at::Tensor>> tensors, std::vector<std::int64_t> ints, double eps) {
-             if (kind < kLinear || kind > kEmbedding) {
+             if (kind < kLinear || kind > kConv1D || kind == kRMSNorm) {
                throw py::value_error("WeightLayer: unknown rule kind " + std::to_string(kind) +
-                                     " (0 Linear, 1 LayerNorm, 2 Embedding)");
+                                     " (0 Linear, 1 LayerNorm, 2 Embedding, 4 Conv1D)");
              }
-             const bool ok = kind == kLinear      ? targets.size() == 1 || targets.size() == 2
+             const bool ok = kind == kLinear || kind == kConv1D ? targets.size() == 1 || targets.size() == 2
                              : kind == kLayerNorm ? targets.size() == 2 && tensors.size() == 2
                                                   : targets.size() == 1 && ints.size() == 3;
              if (!ok) {

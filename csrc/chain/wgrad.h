@@ -12,9 +12,10 @@
 namespace fastpipe {
 
 // The built-in rules' kinds, as weight_rules.py numbers them (`native`,
-// `_fast`): W in wgrad.cpp knows the first three, the deferring forward in
-// defer.cpp all four.
-enum RuleKind : std::int64_t { kLinear = 0, kLayerNorm = 1, kEmbedding = 2, kRMSNorm = 3 };
+// `_fast`): W in wgrad.cpp knows all but RMSNorm, the deferring forward in
+// defer.cpp all five. kConv1D is Hugging Face's Conv1D: a Linear whose
+// weight is stored transposed, (in, out).
+enum RuleKind : std::int64_t { kLinear = 0, kLayerNorm = 1, kEmbedding = 2, kRMSNorm = 3, kConv1D = 4 };
 
 // What a layer's W needs that does not change from call to call within a
 // step (a `fastpipe._chain.WeightLayer`; made once per layer and step).

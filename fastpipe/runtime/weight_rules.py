@@ -216,7 +216,8 @@ class Conv1DRule(WeightRule):
     """Hugging Face's ``Conv1D`` (GPT-2): ``addmm(b, x, W)`` with ``W`` stored
     (in, out), a Linear's weight transposed. W is ``xᵀg`` and ``Σ g``, what
     autograd's ``addmm`` backward computes for a row-major weight; calls of
-    several microbatches are gathered into one GEMM, as for a Linear."""
+    several microbatches are gathered into one GEMM, as for a Linear (in C++
+    where ``fastpipe._chain`` is built, forward and W alike)."""
 
     def params(self, m):
         return (m.weight, m.bias)
@@ -237,6 +238,12 @@ class Conv1DRule(WeightRule):
 
     def rows(self, kept, meta):
         return kept[0].shape[0]
+
+    def native(self, targets, meta, chain):
+        return chain.WeightLayer(4, list(targets), [], [], 0.0)
+
+    def _fast(self, m):
+        return 4, ["weight", "bias"], [m.nf], None
 
     def gather(self, entries):
         pw, pb = entries[0].params
