@@ -214,6 +214,34 @@ def test_layers_are_recognised_by_their_forwards_code():
     assert count == 1 and after_i == {"0.weight": True, "1.weight": False, "1.bias": False}
 
 
+class InitLinear(nn.Linear):
+    """A Linear that only initialises differently: it inherits the forward."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.5)
+        nn.init.zeros_(self.bias)
+
+
+def test_subclasses_that_keep_the_forward_defer_and_parametrized_weights_do_not():
+    """A subclass inheriting the registered forward defers; a parametrized
+    Linear (its weight computed from others: no leaf) keeps autograd, and
+    its gradients reach the parametrization's own parameters."""
+    assert isinstance(deferred.rule_for(InitLinear), weight_rules.LinearRule)
+    assert isinstance(deferred.rule_for(nn.modules.linear.NonDynamicallyQuantizableLinear),
+                      weight_rules.LinearRule)
+    torch.manual_seed(0)
+    model = nn.Sequential(InitLinear(4, 4), nn.Tanh(),
+                          nn.utils.parametrizations.weight_norm(nn.Linear(4, 3))).double()
+    assert isinstance(deferred.rule_for(type(model[2])), weight_rules.LinearRule)
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    _, count, after_i = _split(model, x, fuse=False)
+    assert count == 1 and not after_i["0.weight"] and after_i["2.parametrizations.weight.original0"]
+    ref(x.detach().requires_grad_()).sum().backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
 def test_transformers_layers_are_recognised():
     transformers = pytest.importorskip("transformers")
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm

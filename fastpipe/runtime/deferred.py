@@ -39,7 +39,7 @@ autograd's rounding exactly (``mm`` per microbatch, then ``add_``).
 
 What keeps the plain backward (read at a layer's first call of each step, so nothing is wrong, only
 undeferred): grad mode off, a call with extra arguments, a parameter with
-tensor or post-accumulate hooks, an ``nn.Embedding`` with ``max_norm`` or
+tensor or post-accumulate hooks or that is no leaf (parametrized), an ``nn.Embedding`` with ``max_norm`` or
 sparse gradients, layers inside a module compiled with ``torch.compile``
 (Dynamo traces the class ``forward``, not the wrapper set on the instance,
 and could not capture its appends to a Python list), and a module whose
@@ -136,8 +136,8 @@ def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
     """Defers the weight gradients of layers of exactly ``layer_type`` with ``rule``.
 
     Args:
-        layer_type: an ``nn.Module`` subclass (subclasses of it are not
-            covered: their ``forward`` may differ).
+        layer_type: an ``nn.Module`` subclass; its subclasses are covered
+            where they inherit its ``forward`` unchanged.
         rule: a :class:`WeightRule` instance.
 
     Raises:
@@ -149,6 +149,7 @@ def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
     if not isinstance(rule, WeightRule):
         raise TypeError(f"rule must be a fastpipe WeightRule, got {type(rule).__name__}")
     _RULES[layer_type] = rule
+    _RECOGNISED.clear()
 
 
 # Layers of libraries fastpipe does not import (Hugging Face's Conv1D, the
@@ -176,15 +177,23 @@ def _register_by_code(reference: Callable, rule: WeightRule) -> None:
 
 def rule_for(layer_type: type) -> WeightRule | None:
     """The rule deferring layers of ``layer_type``: registered for the exact
-    type, else recognised by the class ``forward``'s code; None: the plain backward."""
+    type; else registered for a base class whose ``forward`` it inherits
+    unchanged (a Linear subclass that only initialises differently, torch's
+    ``NonDynamicallyQuantizableLinear``); else recognised by the class
+    ``forward``'s code. None: the plain backward."""
     rule = _RULES.get(layer_type)
     if rule is not None:
         return rule
     try:
         return _RECOGNISED[layer_type]
     except KeyError:
-        key = _code_key(getattr(layer_type, "forward", None))
-        found = _RECOGNISED[layer_type] = _BY_CODE.get(key) if key is not None else None
+        forward = getattr(layer_type, "forward", None)
+        found = next((_RULES[base] for base in layer_type.__mro__[1:]
+                      if base in _RULES and getattr(base, "forward", None) is forward), None)
+        if found is None:
+            key = _code_key(forward)
+            found = _BY_CODE.get(key) if key is not None else None
+        _RECOGNISED[layer_type] = found
         return found
 
 
@@ -626,8 +635,10 @@ class _Forward:
         # W accumulates into the parameters called with (a replica swapped in
         # for this call, under local ties), not whatever the module holds later.
         targets = tuple(p if p is not None and p.requires_grad else None for p in params)
+        # A weight computed from others (torch.nn.utils.parametrize) is no
+        # leaf: its gradient must flow on through autograd to what made it.
         ok = any(t is not None for t in targets) and self.rule.accepts(self.module) and not any(
-            param_hooked(p) for p in targets if p is not None)
+            param_hooked(p) or not p.is_leaf for p in targets if p is not None)
         detached = tuple(p.detach() if p is not None else None for p in params) if ok else None
         return [params, targets, detached, _UNSET]
 
