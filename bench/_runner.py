@@ -58,8 +58,8 @@ def workload_parser(prog: str, doc: str | None, schedules: list[str]):
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description=doc)
-    parser.add_argument("--model", choices=["gpt", "mlp", "both", "hf-gpt2"], default="both",
-                        help="the GPT (first) and/or the MLP stack, or Hugging Face's GPT-2 "
+    parser.add_argument("--model", choices=["gpt", "mlp", "both", "hf-gpt2", "hf-llama"], default="both",
+                        help="the GPT (first) and/or the MLP stack, or a Hugging Face model "
                              "(bench._workloads)")
     parser.add_argument("--workload", choices=["compute", "overhead", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=10)

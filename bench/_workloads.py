@@ -4,10 +4,11 @@ A workload is a model family and a size: ``gpt`` is the transformer people
 pipeline (``tests.models.gpt``: token and position embedding, pre-LN blocks
 with causal attention through ``scaled_dot_product_attention`` and a GELU
 MLP, final LayerNorm and vocabulary head, next-token cross-entropy); ``mlp``
-is a stack of Linear/GELU/Linear blocks (MSE); ``hf-gpt2`` is Hugging Face's
-own GPT-2 (``GPT2LMHeadModel`` built from a config, tied embeddings, its
-``Conv1D`` projections) cut by ``fastpipe.hf.causal_lm``, asked for by name
-only (it needs ``transformers``). Each comes in a
+is a stack of Linear/GELU/Linear blocks (MSE); ``hf-gpt2`` and ``hf-llama``
+are Hugging Face's own models (``GPT2LMHeadModel``: tied embeddings, its
+``Conv1D`` projections; ``LlamaForCausalLM``: RMSNorm, rotary positions,
+grouped-query attention, SwiGLU MLP; built from a config) cut by
+``fastpipe.hf.causal_lm``, asked for by name only (they need ``transformers``). Each comes in a
 compute-bound size (arithmetic dominates) and an overhead-bound one
 (per-op framework cost dominates). Every library gets the same layers per
 stage (``Workload.balance``), so ratios compare schedules and runtimes, not
@@ -25,7 +26,8 @@ from torch import nn
 
 from tests.models import gpt, gpt_batch, lm_loss
 
-MODELS = ["gpt", "mlp"]  # what --model both runs; hf-gpt2 by name
+MODELS = ["gpt", "mlp"]  # what --model both runs; the Hugging Face models by name
+HF_MODELS = ["hf-gpt2", "hf-llama"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Workload:
             return gpt(dtype=torch.float32, seed=0, **self.sizes)
         if self.model == "hf-gpt2":
             return _hf_gpt2(**self.sizes)
+        if self.model == "hf-llama":
+            return _hf_llama(**self.sizes)
         torch.manual_seed(0)
         width, blocks = self.sizes["width"], self.sizes["blocks"]
         return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
@@ -55,7 +59,7 @@ class Workload:
         """One step's input and target."""
         if self.model == "gpt":
             return gpt_batch(self.batch, self.sizes["vocab"], self.sizes["seq"], seed=seed)
-        if self.model == "hf-gpt2":  # labels are the ids: the loss shifts them
+        if self.model in HF_MODELS:  # labels are the ids: the loss shifts them
             ids = torch.randint(self.sizes["vocab"], (self.batch, self.sizes["seq"]),
                                 generator=torch.Generator().manual_seed(seed))
             return ids, ids
@@ -66,16 +70,17 @@ class Workload:
 
     @property
     def loss_fn(self) -> Callable:
-        if self.model == "hf-gpt2":
+        if self.model in HF_MODELS:
             from fastpipe.hf import lm_loss as hf_loss
 
             return hf_loss
         return lm_loss if self.model == "gpt" else nn.functional.mse_loss
 
     def describe(self) -> str:
-        if self.model in ("gpt", "hf-gpt2"):
+        if self.model in ("gpt", *HF_MODELS):
             s = self.sizes
-            return (f"{'GPT' if self.model == 'gpt' else 'HF GPT-2'} {s['blocks']} blocks d={s['d']} heads={s['heads']} seq={s['seq']} "
+            title = {"gpt": "GPT", "hf-gpt2": "HF GPT-2", "hf-llama": "HF Llama"}[self.model]
+            return (f"{title} {s['blocks']} blocks d={s['d']} heads={s['heads']} seq={s['seq']} "
                     f"vocab={s['vocab']}, batch {self.batch}, {self.chunks} microbatches")
         return (f"{self.sizes['blocks']} MLP blocks d={self.sizes['width']}, batch {self.batch}, "
                 f"{self.chunks} microbatches")
@@ -111,6 +116,8 @@ WORKLOADS = {
         Workload("gpt", "overhead", dict(vocab=256, d=64, heads=2, blocks=6, seq=16), 16, 8),
         Workload("hf-gpt2", "compute", dict(vocab=2048, d=256, heads=4, blocks=6, seq=64), 8, 8),
         Workload("hf-gpt2", "overhead", dict(vocab=256, d=64, heads=2, blocks=6, seq=16), 16, 8),
+        Workload("hf-llama", "compute", dict(vocab=2048, d=256, heads=4, blocks=6, seq=64), 8, 8),
+        Workload("hf-llama", "overhead", dict(vocab=256, d=64, heads=2, blocks=6, seq=16), 16, 8),
         Workload("mlp", "compute", dict(width=512, blocks=8), 64, 8),
         Workload("mlp", "overhead", dict(width=128, blocks=8), 64, 16),
     )
@@ -131,6 +138,21 @@ def _hf_gpt2(vocab: int, d: int, heads: int, blocks: int, seq: int) -> nn.Sequen
     return causal_lm(GPT2LMHeadModel(config).float())
 
 
+def _hf_llama(vocab: int, d: int, heads: int, blocks: int, seq: int) -> nn.Sequential:
+    """LlamaForCausalLM from a config (half as many key/value heads, an MLP
+    of 8/3 d rounded to 8, tied embeddings), float32, as ``causal_lm``'s Sequential."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastpipe.hf import causal_lm
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=blocks, hidden_size=d, num_attention_heads=heads,
+                         num_key_value_heads=max(1, heads // 2), intermediate_size=(8 * d // 3 + 7) // 8 * 8,
+                         vocab_size=vocab, max_position_embeddings=seq, tie_word_embeddings=True,
+                         bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return causal_lm(LlamaForCausalLM(config).float())
+
+
 @functools.cache
 def _profile(name: str):
     """Each layer's measured forward, backward, I and W at one microbatch, one thread."""
@@ -148,6 +170,6 @@ def _profile(name: str):
 
 def selected(args) -> list[Workload]:
     """The workloads ``--model`` and ``--workload`` ask for, GPT first."""
-    models = MODELS if args.model == "both" else [args.model]  # "hf-gpt2" only by name
+    models = MODELS if args.model == "both" else [args.model]  # HF_MODELS only by name
     sizes = ["compute", "overhead"] if args.workload == "both" else [args.workload]
     return [WORKLOADS[f"{m}-{s}"] for m in models for s in sizes]

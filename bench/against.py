@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench against", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree", required=True, help="the other fastpipe checkout (built)")
-    parser.add_argument("--model", choices=["gpt", "mlp", "both", "hf-gpt2"], default="mlp")
+    parser.add_argument("--model", choices=["gpt", "mlp", "both", "hf-gpt2", "hf-llama"], default="mlp")
     parser.add_argument("--workload", choices=["compute", "overhead", "both"], default="both")
     parser.add_argument("--mode", choices=["dist", "local", "both"], default="both")
     parser.add_argument("--schedules", default="1f1b,zb-h2,gpipe")
