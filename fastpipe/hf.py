@@ -272,7 +272,12 @@ def _mask_function(masking: ModuleType, config: Any, index: int, name: str) -> _
 
 class _MaskCall:
     """``fn(config, hidden, mask, positions)`` with the keywords the installed
-    transformers names (they moved between 5.x releases), read once."""
+    transformers names (they moved between 5.x releases), read once.
+
+    Positions here are always ``0..seq-1``. Given ``position_ids``, the mask
+    functions only look for packed sequences in them (none: the same mask),
+    which cost most of a mask's time on small layers, once per layer; so
+    they are passed only where a release requires them."""
 
     def __init__(self, fn: Callable) -> None:
         accepted = inspect.signature(fn).parameters
@@ -280,11 +285,14 @@ class _MaskCall:
         self.embeds = "inputs_embeds" if "inputs_embeds" in accepted else "input_embeds"
         self.cache = next((k for k in _CACHE_NAMES if k in accepted), None)
         self.cache_position = "cache_position" in accepted
+        ids = accepted.get("position_ids")
+        self.position_ids = ids is not None and ids.default is inspect.Parameter.empty
 
     def __call__(self, config: Any, hidden: torch.Tensor, mask: torch.Tensor | None,
                  positions: torch.Tensor) -> Any:
-        given = {"config": config, self.embeds: hidden, "attention_mask": mask,
-                 "position_ids": positions.unsqueeze(0)}
+        given = {"config": config, self.embeds: hidden, "attention_mask": mask}
+        if self.position_ids:
+            given["position_ids"] = positions.unsqueeze(0)
         if self.cache is not None:
             given[self.cache] = None
         if self.cache_position:
