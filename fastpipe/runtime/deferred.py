@@ -37,13 +37,14 @@ and Linears of several microbatches may be gathered into one GEMM
 GEMM, as for the unsplit batch. ``run_weight(fuse=False)`` keeps
 autograd's rounding exactly (``mm`` per microbatch, then ``add_``).
 
-What keeps the plain backward (read at a layer's first call of each step, so nothing is wrong, only
-undeferred): grad mode off, a call with extra arguments, a parameter with
-tensor or post-accumulate hooks or that is no leaf (parametrized), an ``nn.Embedding`` with ``max_norm`` or
-sparse gradients, layers inside a module compiled with ``torch.compile``
-(Dynamo traces the class ``forward``, not the wrapper set on the instance,
-and could not capture its appends to a Python list), and a module whose
-``forward`` the user set on the instance.
+What keeps the plain backward (read at a layer's first call of each step,
+so nothing is wrong, only undeferred): grad mode off, a call with extra
+arguments, a parameter with tensor or post-accumulate hooks or that is no
+leaf (parametrized), an ``nn.Embedding`` with ``max_norm`` or sparse
+gradients, layers inside a module compiled with ``torch.compile`` (Dynamo
+traces the class ``forward``, not the wrapper set on the instance, and could
+not capture its appends to a Python list), and a module whose ``forward``
+the user set on the instance.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ _RULES: dict[type, WeightRule] = {}
 
 
 def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
-    """Defers the weight gradients of layers of exactly ``layer_type`` with ``rule``.
+    """Defers the weight gradients of layers of ``layer_type`` with ``rule``.
 
     Args:
         layer_type: an ``nn.Module`` subclass; its subclasses are covered

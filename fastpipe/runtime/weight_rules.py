@@ -38,6 +38,8 @@ class LinearRule(WeightRule):
     on its lower-precision list), so W keeps the copy autograd would keep.
     """
 
+    transposed = False  # the weight stored (in, out): W is x^T g (Conv1DRule)
+
     def params(self, m):
         return (m.weight, m.bias)
 
@@ -49,9 +51,9 @@ class LinearRule(WeightRule):
         return F.linear(x, *detached), (x.detach(),), None
 
     def weight_grads(self, kept, meta, targets, g):
-        g2 = g.reshape(-1, g.shape[-1])
+        g2, x2 = _rows2d(g), _rows2d(kept[0])
         pw, pb = targets
-        return (torch.mm(g2.t(), _rows2d(kept[0])) if pw is not None else None,
+        return (torch.mm(*_factors(g2, x2, self.transposed)) if pw is not None else None,
                 g2.sum(0) if pb is not None else None)
 
     def rows(self, kept, meta):
@@ -67,27 +69,34 @@ class LinearRule(WeightRule):
     def gather(self, entries):
         if len(entries) == 1:
             e = entries[0]
-            return _linear_grads(e.params, _rows2d(e.g), _rows2d(e.saved[0]))
+            return _linear_grads(e.params, _rows2d(e.g), _rows2d(e.saved[0]), self.transposed)
         g = torch.cat([_rows2d(e.g) for e in entries])
-        return _linear_grads(entries[0].params, g, torch.cat([_rows2d(e.saved[0]) for e in entries]))
+        x = torch.cat([_rows2d(e.saved[0]) for e in entries])
+        return _linear_grads(entries[0].params, g, x, self.transposed)
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-def _linear_grads(targets, g2: torch.Tensor, x2: torch.Tensor):
-    """``gᵀx`` and ``Σg`` over rows; the weight's added straight into an
-    existing ``.grad`` of the computation's dtype (``addmm_``: no fresh
-    matrix, one pass over ``.grad``; other rounding than autograd's
+def _factors(g2: torch.Tensor, x2: torch.Tensor, transposed: bool):
+    """The weight gradient's GEMM operands: ``gᵀ, x``, or ``xᵀ, g`` for a
+    weight stored (in, out); the orders autograd's linear and addmm use."""
+    return (x2.t(), g2) if transposed else (g2.t(), x2)
+
+
+def _linear_grads(targets, g2: torch.Tensor, x2: torch.Tensor, transposed: bool = False):
+    """``gᵀx`` (``xᵀg``) and ``Σg`` over rows; the weight's added straight
+    into an existing ``.grad`` of the computation's dtype (``addmm_``: no
+    fresh matrix, one pass over ``.grad``; other rounding than autograd's
     ``mm`` then ``add_``)."""
     pw, pb = targets
     gw = None
     if pw is not None:
         if pw.grad is not None and pw.grad.dtype == g2.dtype == x2.dtype and pw.grad.is_contiguous():
-            pw.grad.addmm_(g2.t(), x2)
+            pw.grad.addmm_(*_factors(g2, x2, transposed))
         else:
-            gw = torch.mm(g2.t(), x2)
+            gw = torch.mm(*_factors(g2, x2, transposed))
     return gw, (g2.sum(0) if pb is not None else None)
 
 
@@ -212,15 +221,14 @@ class EmbeddingRule(WeightRule):
         return (None,)
 
 
-class Conv1DRule(WeightRule):
+class Conv1DRule(LinearRule):
     """Hugging Face's ``Conv1D`` (GPT-2): ``addmm(b, x, W)`` with ``W`` stored
     (in, out), a Linear's weight transposed. W is ``xᵀg`` and ``Σ g``, what
-    autograd's ``addmm`` backward computes for a row-major weight; calls of
-    several microbatches are gathered into one GEMM, as for a Linear (in C++
-    where ``fastpipe._chain`` is built, forward and W alike)."""
+    autograd's ``addmm`` backward computes for a row-major weight; otherwise
+    a Linear's rule (gathered over microbatches; in C++ where
+    ``fastpipe._chain`` is built, forward and W alike)."""
 
-    def params(self, m):
-        return (m.weight, m.bias)
+    transposed = True
 
     def forward(self, m, x, detached):
         w, b = detached
@@ -230,32 +238,11 @@ class Conv1DRule(WeightRule):
             x2 = x2.to(low)  # cast as autocast's addmm casts it: W keeps what autograd keeps
         return torch.addmm(b, x2, w).view(x.size()[:-1] + (m.nf,)), (x2.detach(),), None
 
-    def weight_grads(self, kept, meta, targets, g):
-        g2 = g.reshape(-1, g.shape[-1])
-        pw, pb = targets
-        return (torch.mm(kept[0].t(), g2) if pw is not None else None,
-                g2.sum(0) if pb is not None else None)
-
-    def rows(self, kept, meta):
-        return kept[0].shape[0]
-
     def native(self, targets, meta, chain):
         return chain.WeightLayer(4, list(targets), [], [], 0.0)
 
     def _fast(self, m):
         return 4, ["weight", "bias"], [m.nf], None
-
-    def gather(self, entries):
-        pw, pb = entries[0].params
-        x2 = torch.cat([e.saved[0] for e in entries]) if len(entries) > 1 else entries[0].saved[0]
-        g2 = torch.cat([_rows2d(e.g) for e in entries]) if len(entries) > 1 else _rows2d(entries[0].g)
-        gw = None
-        if pw is not None:
-            if pw.grad is not None and pw.grad.dtype == g2.dtype == x2.dtype and pw.grad.is_contiguous():
-                pw.grad.addmm_(x2.t(), g2)
-            else:
-                gw = torch.mm(x2.t(), g2)
-        return gw, (g2.sum(0) if pb is not None else None)
 
 
 class ScaledRMSNormRule(WeightRule):
