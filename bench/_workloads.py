@@ -8,8 +8,9 @@ is a stack of Linear/GELU/Linear blocks (MSE); ``hf-gpt2`` and ``hf-llama``
 are Hugging Face's own models (``GPT2LMHeadModel``: tied embeddings, its
 ``Conv1D`` projections; ``LlamaForCausalLM``: RMSNorm, rotary positions,
 grouped-query attention, SwiGLU MLP; built from a config) cut by
-``fastpipe.hf.causal_lm``, asked for by name only (they need ``transformers``). Each comes in a
-compute-bound size (arithmetic dominates) and an overhead-bound one
+``fastpipe.hf.causal_lm``, asked for by name only (they need
+``transformers``). Each comes in a compute-bound size (arithmetic
+dominates) and an overhead-bound one
 (per-op framework cost dominates). Every library gets the same layers per
 stage (``Workload.balance``), so ratios compare schedules and runtimes, not
 splits.
