@@ -65,6 +65,9 @@ def workload_parser(prog: str, doc: str | None, schedules: list[str]):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(schedules))
+    parser.add_argument("--built-in-order", action="store_true",
+                        help="run fastpipe's zero-bubble schedules in their built-in order, not "
+                             "ordered by the measured stage costs")
     return parser
 
 

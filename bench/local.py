@@ -16,7 +16,10 @@ Rows marked ``+fused`` run with ``Pipe(fused_wgrad=True)``: each Linear's
 weight gradient accumulated by one GEMM into ``.grad``. That makes the work
 itself cheaper, so their efficiency is taken against a sequential baseline
 that does the same (a one-rank fused Pipe), while their torchgpipe/fastpipe
-column is plain throughput against the same torchgpipe run.
+column is plain throughput against the same torchgpipe run. fastpipe's
+zero-bubble schedules run in the order ``fastpipe.plan`` gives them for the
+measured stage costs (``bench.pipelining.order``; ``--built-in-order`` for
+the fixed one).
 
 One intra-op thread means one in every thread: ``torch.set_num_threads(1)``
 reaches only the thread that calls it, and threads that torch did not start
@@ -41,7 +44,7 @@ from torch import nn
 
 from bench._runner import round_robin_medians, workload_parser
 from bench._workloads import Workload, selected
-from bench.pipelining import TWO_STAGES, balance, fused_sequential_step
+from bench.pipelining import TWO_STAGES, balance, fused_sequential_step, order
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
@@ -98,7 +101,8 @@ def _two_threads_step(w: Workload):
 FUSED = " +fused"
 
 
-def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str = "off") -> None:
+def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str = "off",
+        by_cost: bool = True) -> None:
     from fastpipe import Pipe
 
     torch.set_num_threads(1)
@@ -114,9 +118,10 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
         pipes.append(pipe)
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
+        bal = balance(w, schedule)
         for f in variants:
-            pipes.append(Pipe(w.build(), chunks=w.chunks, schedule=schedule,
-                              balance=balance(w, schedule),
+            pipes.append(Pipe(w.build(), chunks=w.chunks, balance=bal,
+                              schedule=order(w, schedule, bal, by_cost=by_cost),
                               devices=["cpu", "cpu"], stages_per_rank=spr, fused_wgrad=f))
             name = schedule + (FUSED if f else "")
             runners[name] = functools.partial(pipes[-1].step, x, y, w.loss_fn)
@@ -164,5 +169,6 @@ def main(argv=None) -> int:
                         help="fastpipe rows without, with, or both without and with fused_wgrad")
     args = parser.parse_args(argv)
     for w in selected(args):
-        run(w, args.repeats, args.warmup, args.schedules.split(","), args.fused_wgrad)
+        run(w, args.repeats, args.warmup, args.schedules.split(","), args.fused_wgrad,
+            by_cost=not args.built_in_order)
     return 0

@@ -25,7 +25,11 @@ work itself is cheaper; torch/fused is plain throughput.
 The workloads (``bench._workloads``): a GPT first, then the MLP stack, each
 compute-bound and overhead-bound; both libraries get the same layers per
 stage: the measured layer times split as ``Pipe(balance="auto")`` splits
-them (``Workload.balance``; the report prints it).
+them (``Workload.balance``; the report prints it). fastpipe runs its
+zero-bubble schedules in the order ``fastpipe.plan`` gives them for the same
+measured costs (``Workload.order``: ordered by the costs where that
+simulates faster than the built-in order; the report says which, and times
+the built-in order beside it); torch runs its own.
 
     python -m bench pipelining [--model gpt|mlp|both] [--workload compute|overhead|both]
                                [--repeats N] [--fused-wgrad]
@@ -55,6 +59,28 @@ def balance(w: Workload, schedule: str, ranks: int = 2) -> list[int]:
 
     spr = 2 if schedule in TWO_STAGES else 1
     return w.balance(build(schedule, ranks, w.chunks, stages_per_rank=spr))
+
+
+def order(w: Workload, schedule: str, bal: list[int], ranks: int = 2, by_cost: bool = True):
+    """What fastpipe runs for ``schedule`` over ``bal``: the name, or a
+    zero-bubble ``Schedule`` ordered by the measured stage costs where that
+    simulates faster (``Workload.order``, as ``fastpipe.plan`` chooses);
+    always the name when not ``by_cost``."""
+    from fastpipe.schedules import build
+
+    if not by_cost:
+        return schedule
+    spr = 2 if schedule in TWO_STAGES else 1
+    built = build(schedule, ranks, w.chunks, stages_per_rank=spr)
+    chosen = w.order(built, bal)
+    return schedule if chosen is built else chosen
+
+
+def describe_orders(orders: dict) -> str:
+    """Which schedules fastpipe runs in an order of their own, for a report."""
+    by_cost = [s for s, o in orders.items() if not isinstance(o, str)]
+    return ("  ordered by the measured stage costs (fastpipe only, as fastpipe.plan orders them): "
+            + (", ".join(by_cost) if by_cost else "none"))
 
 
 def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
@@ -117,7 +143,7 @@ def _alone_step(w: Workload, rank, bal):
     return step
 
 
-def _rank_main(rank, world, init, queue, name, balances, ceiling, warmup, repeats, fused=False):
+def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup, repeats, fused=False):
     """Builds every runner on this rank (the sequential baselines on rank 0
     only, the ceiling, every schedule's fastpipe variants and torch's peer)
     and times them all in one round robin: every figure of the report, the
@@ -142,9 +168,13 @@ def _rank_main(rank, world, init, queue, name, balances, ceiling, warmup, repeat
             if fused:
                 variants["fused"] = dict(fused_wgrad=True)
             for variant, kwargs in variants.items():
-                pipes.append(Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
+                pipes.append(Pipe(w.build(), chunks=chunks, schedule=orders[schedule], balance=bal,
                                   stages_per_rank=spr, **kwargs))
                 runners[schedule, variant] = functools.partial(pipes[-1].step, x, y, loss_fn)
+            if not isinstance(orders[schedule], str):  # the built-in order beside it
+                pipes.append(Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
+                                  stages_per_rank=spr, overlap=False, shm=None))
+                runners[schedule, "built-in"] = functools.partial(pipes[-1].step, x, y, loss_fn)
             try:
                 runners[schedule, "theirs"] = functools.partial(
                     _torch_runner(schedule, w.build(), rank, world, chunks, loss_fn, bal), x, y)
@@ -186,11 +216,12 @@ def fused_sequential_step(w: Workload, group=None):
 
 
 def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
-        fused: bool = False) -> None:
+        fused: bool = False, by_cost: bool = True) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     balances = {s: balance(w, s, ranks) for s in schedules}
+    orders = {s: order(w, s, balances[s], ranks, by_cost) for s in schedules}
     ceiling = balance(w, "1f1b", ranks)  # one stage per rank
-    times = spawn(ranks, _rank_main, w.name, balances, ceiling, warmup, repeats, fused)[0]
+    times = spawn(ranks, _rank_main, w.name, balances, orders, ceiling, warmup, repeats, fused)[0]
     seq, alone, seq_fused = times["sequential"], times["alone"], times.get("sequential fused")
     ideal = seq / ranks
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; "
@@ -199,6 +230,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
           f"efficiency {ideal / alone:.2f}")
     print("  layers per stage (both libraries): " + ", ".join(
         f"{s} {balances[s]}" for s in schedules))
+    print(describe_orders(orders))
     if seq_fused is not None:
         print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
               "the baseline of 'eff fused'")
@@ -222,6 +254,10 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
             peer_eff = f"{ideal / theirs:>11.2f}"
         print(f"{head}{peer}{gloo / ours:>14.2f}{lanes / ours:>15.2f}{ideal / ours:>14.2f}"
               f"{peer_eff}{alone / ours:>12.2f}{tail}")
+    builtin = [(s, times[s, "built-in"], times[s, "ours"]) for s in schedules if (s, "built-in") in times]
+    if builtin:
+        print("  the same schedules in their built-in order: " + ", ".join(
+            f"{s} {b * 1e3:.1f} ms (built-in/ordered {b / o:.2f})" for s, b, o in builtin))
 
 
 def main(argv=None) -> int:
@@ -230,5 +266,6 @@ def main(argv=None) -> int:
                         help="also run fastpipe with Pipe(fused_wgrad=True)")
     args = parser.parse_args(argv)
     for w in selected(args):
-        run(w, args.repeats, args.warmup, args.schedules.split(","), fused=args.fused_wgrad)
+        run(w, args.repeats, args.warmup, args.schedules.split(","), fused=args.fused_wgrad,
+            by_cost=not args.built_in_order)
     return 0

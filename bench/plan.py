@@ -109,7 +109,7 @@ def _rank_main(rank, world, init, queue, repeats):
         # Round robin: every candidate is timed in each round, so a slow spell
         # of the machine falls on all of them instead of on a few.
         pipes = {(c.schedule, c.chunks): Pipe(
-            w.build(), chunks=c.chunks, schedule=c.schedule,
+            w.build(), chunks=c.chunks, schedule=c.order if c.order is not None else c.schedule,
             balance=list(c.balance), stages_per_rank=c.stages_per_rank, shm=False)
             for c in result.candidates}
         measured = round_robin_medians(

@@ -255,11 +255,12 @@ def from_plan(plan, chunks, schedule, balance, stages_per_rank, checkpoint):
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a fastpipe.Plan (from fastpipe.plan(...)), got {type(plan).__name__}")
     chosen = plan.pipe_kwargs()
+    named = {**chosen, "schedule": plan.schedule}  # the name, also where the plan ordered it by cost
     given = {"chunks": (chunks, 8), "schedule": (schedule, "1f1b"), "balance": (balance, None),
              "stages_per_rank": (stages_per_rank, None), "checkpoint": (checkpoint, "never")}
     for name, (value, default) in given.items():
-        if value != default and value != chosen[name]:
-            raise ValueError(f"{name}={value!r} disagrees with the plan's {name}={chosen[name]!r}")
+        if value != default and value != named[name]:
+            raise ValueError(f"{name}={value!r} disagrees with the plan's {name}={named[name]!r}")
     return (chosen["chunks"], chosen["schedule"], chosen["balance"], chosen["stages_per_rank"],
             chosen["checkpoint"])
 

@@ -3,6 +3,7 @@
     prof ──► for each schedule, chunks, checkpoint mode:
                balance = partition of the per-layer times (speeds), simulated
                          where a rank runs several stages (balance_for)
+               zero-bubble: also ordered by the stage costs  ──► the faster order
                simulate the schedule with the stage costs  ──► step time, bubble
                walk each rank's actions                     ──► peak memory
              ──► fastest candidate whose every rank fits ``memory_limit``
@@ -25,14 +26,17 @@ from fastpipe import _microbatch as mbatch
 from fastpipe.balance import Profile, partition, profile
 from fastpipe.balance._partition import improve
 from fastpipe.runtime.checkpoint import MODES, checkpointed
-from fastpipe.schedules import Action, Kind, Schedule, build, names
+from fastpipe.schedules import Action, Kind, Schedule, Simulation, build, names, orders_by_cost
 
-__all__ = ["Candidate", "Plan", "balance_for", "parse_bytes", "plan", "rank_memory"]
+__all__ = ["Candidate", "Plan", "balance_for", "ordered", "parse_bytes", "plan", "rank_memory"]
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One point of the search, with what the simulator and the memory walk predict."""
+    """One point of the search, with what the simulator and the memory walk
+    predict. ``order`` is the zero-bubble schedule ordered by the stage costs
+    where that simulated faster than the built-in order (``ordered``), which
+    ``Pipe(plan=...)`` then runs; None for the built-in order."""
 
     schedule: str
     chunks: int
@@ -42,6 +46,7 @@ class Candidate:
     step_seconds: float
     bubble_ratio: float
     memory: tuple[int, ...]  # peak bytes per rank
+    order: Schedule | None = field(default=None, compare=False, repr=False)
 
     def fits(self, limit: int | None) -> bool:
         return limit is None or max(self.memory) <= limit
@@ -82,7 +87,8 @@ class Plan:
     def pipe_kwargs(self) -> dict:
         """Arguments for ``Pipe`` (what ``Pipe(model, plan=...)`` uses)."""
         b = self.best
-        return {"chunks": b.chunks, "schedule": b.schedule, "balance": list(b.balance),
+        schedule = b.order if b.order is not None else b.schedule
+        return {"chunks": b.chunks, "schedule": schedule, "balance": list(b.balance),
                 "stages_per_rank": b.stages_per_rank, "checkpoint": b.checkpoint}
 
     def explain(self, top: int = 10) -> str:
@@ -184,6 +190,35 @@ def balance_for(prof: Profile, schedule: Schedule, speeds: Sequence[float] | Non
 
     start = min((even, partition(costs, schedule.stages, stage_speed, owners)), key=step)
     return improve(start, step)
+
+
+def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
+            latency: float = 0.0) -> tuple[Schedule, Simulation]:
+    """The order to run for these costs, and its simulation: for a zero-bubble
+    schedule, the list scheduler's order for ``cost`` (``build(costs=)``)
+    where it simulates faster than ``schedule``; else ``schedule``.
+
+    The built-in zero-bubble orders assume F = I = W. On transformer layers
+    W is often a quarter of F, and a greedy order for the real costs is
+    faster there, though not for every cost (``fastpipe.schedules._greedy``),
+    hence the comparison.
+
+    Args:
+        schedule: a built schedule (its name decides whether it can be reordered).
+        cost: ``(action) -> seconds``, as ``Schedule.simulate`` takes it.
+        speeds: per-rank speed factors.
+        latency: seconds a message takes.
+    """
+    speeds = [1.0] * schedule.ranks if speeds is None else list(speeds)
+    sim = schedule.simulate(cost, rank_speed=speeds, latency=latency)
+    if not orders_by_cost(schedule.name):
+        return schedule, sim
+    owner = schedule.stage_to_rank
+    by_cost = build(schedule.name, schedule.ranks, schedule.microbatches,
+                    schedule.stages // schedule.ranks,
+                    costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency)
+    other = by_cost.simulate(cost, rank_speed=speeds, latency=latency)
+    return (by_cost, other) if other.makespan < sim.makespan else (schedule, sim)
 
 
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:
@@ -295,10 +330,11 @@ def plan(
                 if mode == "except_last" and m == 1:
                     continue  # the same as "never"
                 cost = _cost_fn(sums, mode, m, sched, transfer_cost)
-                sim = sched.simulate(cost, rank_speed=speeds, latency=latency)
+                chosen, sim = ordered(sched, cost, speeds, latency)
                 candidates.append(Candidate(
                     name, m, sched.stages // ranks, tuple(balance), mode, sim.makespan,
-                    sim.bubble_ratio, tuple(rank_memory(sched, sums, mode, param_scale)),
+                    sim.bubble_ratio, tuple(rank_memory(chosen, sums, mode, param_scale)),
+                    chosen if chosen is not sched else None,
                 ))
     if not candidates:
         raise ValueError(f"no schedule fits {len(prof.layers)} layers on {ranks} ranks")

@@ -330,3 +330,34 @@ def test_balance_for_a_v_is_no_slower_than_even_stages_or_even_ranks():
         assert step(got) <= min(step(even), step(by_rank)) + 1e-12, name
     one = build("1f1b", 2, 8)
     assert balance_for(prof, one) == partition(costs, 2)
+
+
+def test_a_plan_runs_the_zero_bubble_order_its_costs_favour():
+    """``ordered`` keeps the faster of the built-in order and the one for the
+    costs; a plan that chose a reordered schedule hands Pipe that schedule."""
+    from fastpipe._plan import Candidate, Plan, ordered
+    from fastpipe.schedules import build
+
+    built = build("zb-h1", 2, 8)
+    cheap_w = {"F": 1.0, "I": 1.0, "W": 0.25}
+    chosen, sim = ordered(built, lambda a: cheap_w[a.kind.value])
+    assert chosen is not built and chosen.name == "zb-h1"
+    assert sim.makespan < built.simulate(cheap_w).makespan
+    one_f_one_b = build("1f1b", 2, 8)
+    assert ordered(one_f_one_b, lambda a: 1.0)[0] is one_f_one_b  # a fixed order stays
+
+    model = mlp()  # 6 layers, float64
+    best = Candidate("zb-h1", 8, 1, (3, 3), "never", 0.01, 0.1, (1, 1), chosen)
+    pipe = Pipe(model, plan=Plan(best, [best]), schedule="zb-h1", devices=["cpu", "cpu"])
+    try:
+        assert pipe.schedule is chosen
+        x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        expected, want = reference(model, x, y, nn.functional.mse_loss, 8)
+        torch.testing.assert_close(loss, expected)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want[n])
+    finally:
+        pipe.close()

@@ -195,3 +195,56 @@ def test_timeline_respects_every_dependency(
     assert sum(sim.busy) + sum(sim.idle) == pytest.approx(p * sim.makespan)
     assert all(0 <= i <= d + eps for i, d in zip(sim.interior_idle, sim.idle))
     assert math.isclose(sim.bubble_ratio, sum(sim.idle) / (p * sim.makespan))
+
+
+# --- zero-bubble schedules ordered by costs -------------------------------------
+
+CHEAP_W = {"F": 1.0, "I": 1.0, "W": 0.25}  # a transformer layer's W is often a quarter of F
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zbv"])
+def test_unit_costs_order_as_the_built_in_schedules(name: str) -> None:
+    for p, m in SIZES:
+        assert build(name, p, m, costs=SPLIT_UNIT).actions == build(name, p, m).actions
+
+
+def test_zb_h1_ordered_by_a_cheap_w_is_faster_and_keeps_its_memory() -> None:
+    for p in (2, 3, 4):
+        fixed = build("zb-h1", p, 8)
+        ordered = build("zb-h1", p, 8, costs=CHEAP_W)
+        ordered.validate()
+        assert ordered.actions != fixed.actions
+        assert ordered.simulate(CHEAP_W).makespan < fixed.simulate(CHEAP_W).makespan
+        assert ordered.simulate(CHEAP_W).peak_inflight == [p - r for r in range(p)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["zb-h1", "zb-h2", "zbv"]),
+    st.integers(1, 5),
+    st.integers(1, 12),
+    st.lists(st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0]), min_size=30, max_size=30),
+    st.sampled_from([0.0, 0.1, 0.5]),
+)
+def test_any_costs_give_a_valid_order(name: str, p: int, m: int, draws: list[float],
+                                       latency: float) -> None:
+    """Whatever the costs (zero included), the list scheduler finishes: a V
+    rank whose cap its first stage's forwards filled lets one forward past
+    it rather than stall."""
+    stages = 2 * p if name == "zbv" else p
+    costs = {"F": [max(0.1, c) for c in draws[:stages]], "I": [max(0.1, c) for c in draws[10:10 + stages]],
+             "W": draws[20:20 + stages]}
+    schedule = build(name, p, m, costs=costs, latency=latency)
+    schedule.validate()
+    assert sum(len(row) for row in schedule.actions) == 3 * stages * m
+    assert schedule.simulate(costs, latency=latency).makespan > 0
+
+
+def test_only_list_scheduled_schedules_take_costs() -> None:
+    from fastpipe.schedules import orders_by_cost
+
+    assert [n for n in names() if orders_by_cost(n)] == ["zb-h1", "zb-h2", "zbv"]
+    with pytest.raises(ValueError, match="'1f1b' has a fixed order.*zb-h1, zb-h2, zbv"):
+        build("1f1b", 2, 4, costs=CHEAP_W)
+    with pytest.raises(ValueError, match="latency must be a number >= 0, got -1"):
+        build("zb-h1", 2, 4, costs=CHEAP_W, latency=-1)

@@ -15,7 +15,7 @@ Example:
 from fastpipe.schedules._csv import load_csv, save_csv
 from fastpipe.schedules._ir import Action, Kind, Schedule
 from fastpipe.schedules._lower import lower
-from fastpipe.schedules._registry import build, names
+from fastpipe.schedules._registry import build, names, orders_by_cost
 from fastpipe.schedules._simulate import Simulation, TimelineRecord, simulate
 from fastpipe.schedules._validate import ScheduleError, validate
 
@@ -30,6 +30,7 @@ __all__ = [
     "load_csv",
     "lower",
     "names",
+    "orders_by_cost",
     "save_csv",
     "simulate",
     "validate",

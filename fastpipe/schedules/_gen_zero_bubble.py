@@ -1,9 +1,10 @@
 """The Zero Bubble family (Qi et al. 2023/2024): ZB-H1, ZB-H2 and ZB-V, by list scheduling.
 
 All three split each backward into I (input gradient, on the critical path)
-and W (weight gradient, free to move), and are built by the unit-time list
-scheduler in ``_greedy``; they differ in placement and in the in-flight cap.
-The numbers below are at F = I = W = 1 per stage and were measured for every
+and W (weight gradient, free to move), and are built by the list scheduler in
+``_greedy``; they differ in placement and in the in-flight cap. Given costs
+(``build(..., costs=)``) the scheduler orders by them; the numbers below are
+at F = I = W = 1 per stage and were measured for every
 ``p <= 8``, ``m <= 32`` (``tests/test_schedules_simulate.py`` checks them).
 Both caps bound memory: "between F and I" is the full activations, the
 ``peak_inflight`` of a simulation; "between F and W" adds what W still needs.
@@ -11,6 +12,7 @@ Both caps bound memory: "between F and I" is the full activations, the
 
 from __future__ import annotations
 
+from fastpipe.schedules._costs import Costs
 from fastpipe.schedules._greedy import list_schedule
 from fastpipe.schedules._ir import Schedule
 from fastpipe.schedules._placement import loop_placement, v_placement
@@ -18,7 +20,8 @@ from fastpipe.schedules._placement import loop_placement, v_placement
 __all__ = ["zb_h1", "zb_h2", "zbv"]
 
 
-def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
+          latency: float = 0.0) -> Schedule:
     """ZB-H1: 1F1B's activation memory, W filling the drain; a third of 1F1B's bubble.
 
     Caps: ``p - r`` microbatches between F and I on rank ``r`` (1F1B's
@@ -37,16 +40,19 @@ def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
         ranks: Pipeline ranks ``p``; one stage each.
         microbatches: Microbatches ``m``.
         stages_per_rank: Must be 1 (checked by ``build``).
+        costs, latency: what the list scheduler orders by (``build``); the
+            figures above are for unit costs.
 
     Returns:
         The schedule.
     """
     caps = [ranks - r for r in range(ranks)]
     holds = [ranks + (ranks + 1) // 2] * ranks
-    return list_schedule("zb-h1", microbatches, loop_placement(ranks, 1), caps, holds)
+    return list_schedule("zb-h1", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency)
 
 
-def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
+          latency: float = 0.0) -> Schedule:
     """ZB-H2: more warm-up forwards so that no rank ever waits once it has started.
 
     Caps: ``2 (p - r) - 1`` between F and I on rank ``r`` (rank 0 holds
@@ -66,16 +72,19 @@ def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
         ranks: Pipeline ranks ``p``; one stage each.
         microbatches: Microbatches ``m``.
         stages_per_rank: Must be 1 (checked by ``build``).
+        costs, latency: what the list scheduler orders by (``build``); the
+            figures above are for unit costs.
 
     Returns:
         The schedule.
     """
     caps = [2 * (ranks - r) - 1 for r in range(ranks)]
     holds = [2 * ranks - 1] * ranks
-    return list_schedule("zb-h2", microbatches, loop_placement(ranks, 1), caps, holds)
+    return list_schedule("zb-h2", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency)
 
 
-def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
+def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2, costs: Costs | None = None,
+        latency: float = 0.0) -> Schedule:
     """ZB-V: V placement and I/W split, 1F1B's memory, zero bubble.
 
     Rank ``r`` holds stages ``r`` and ``2 p - 1 - r``, each half of a 1F1B
@@ -94,10 +103,12 @@ def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
         ranks: Pipeline ranks ``p``.
         microbatches: Microbatches ``m``.
         stages_per_rank: Must be 2 (checked by ``build``).
+        costs, latency: what the list scheduler orders by (``build``); the
+            figures above are for unit costs.
 
     Returns:
         The schedule.
     """
     caps = [2 * ranks] * ranks
     holds = [2 * ranks + 3 + r for r in range(ranks)]
-    return list_schedule("zbv", microbatches, v_placement(ranks), caps, holds)
+    return list_schedule("zbv", microbatches, v_placement(ranks), caps, holds, costs, latency)

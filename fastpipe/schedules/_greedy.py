@@ -1,6 +1,6 @@
-"""A unit-time list scheduler for the zero-bubble family (F, I and W each take one step).
+"""A list scheduler for the zero-bubble family: each backward split into I and W.
 
-At every step each free rank picks its next action by a fixed policy:
+Whenever a rank is free it picks its next action by a fixed policy:
 
 1. an I whose gradient has arrived (it is on the critical path back to stage 0);
 2. else an F whose input has arrived, unless the rank is at either memory cap:
@@ -9,17 +9,32 @@ At every step each free rank picks its next action by a fixed policy:
 3. else the oldest W still owed (weight gradients fill what would be idle);
 4. else wait.
 
-Microbatches go through each stage in order. The lists, run again by the
-simulator with unit costs, reproduce the step times exactly, because the
-simulator starts each action as early as the same dependencies allow.
+Microbatches go through each stage in order. Time is modelled as the
+simulator models it: an action takes its cost (F = I = W = 1 unless costs are
+given) and a value crossing ranks arrives ``latency`` after it was made. With
+unit costs the lists, run again by the simulator, reproduce the step times
+the policy saw, because the simulator starts each action as early as the
+same dependencies allow. With the stages' real costs (a profile's F, I and
+W) the order follows them: where W is much cheaper than F, the unit-cost
+order holds a rank's forwards back for W slots that end long before the next
+input arrives. A greedy order is no optimum, though: for some costs the unit
+order simulates faster, so callers with costs (``fastpipe.plan``) simulate
+both and keep the faster.
+
+Should every rank wait with nothing under way, the caps hold back the
+forward that would unblock the rest (costs can fill a V rank's cap with its
+first stage's forwards); the oldest forward then runs past its cap, and the
+simulator, free of the policy's waits, is faster than the policy's clock.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fastpipe.schedules._costs import Costs, compute_cost
 from fastpipe.schedules._ir import Action, Kind, Schedule
 
 __all__ = ["list_schedule"]
@@ -36,6 +51,7 @@ class _Rank:
     held: int = 0  # between F and W
     owed: deque[Action] = field(default_factory=deque)
     row: list[Action] = field(default_factory=list)
+    free: float = 0.0  # when its last action ends
 
 
 def list_schedule(
@@ -44,6 +60,8 @@ def list_schedule(
     stage_to_rank: Sequence[int],
     caps: Sequence[int],
     hold_caps: Sequence[int],
+    costs: Costs | None = None,
+    latency: float = 0.0,
 ) -> Schedule:
     """Build a schedule with every backward split into I and W, by the policy above.
 
@@ -53,60 +71,111 @@ def list_schedule(
         stage_to_rank: Placement over ``len(caps)`` ranks.
         caps: Per rank, the most (stage, microbatch) pairs between F and I.
         hold_caps: Per rank, the most between F and W; at least ``caps``.
+        costs: Action costs as the simulator takes them
+            (:func:`fastpipe.schedules._costs.compute_cost`); ``None`` is
+            F = I = W = 1.
+        latency: Time from an action's end to its value's arrival on another rank.
 
     Returns:
         The schedule.
 
     Raises:
-        AssertionError: If the policy gets stuck (caps too small for the placement).
+        AssertionError: If the policy gets stuck even past the caps (a bug).
     """
     stages = len(stage_to_rank)
+    cost = compute_cost(costs if costs is not None else {"F": 1.0, "I": 1.0, "W": 1.0}, stages)
     ranks = [
         _Rank([s for s in range(stages) if stage_to_rank[s] == r], cap, hold)
         for r, (cap, hold) in enumerate(zip(caps, hold_caps))
     ]
-    done: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, mb) -> step it ends
+    clock = _Clock(stage_to_rank, latency)
     nxt = {(kind, s): 0 for kind in (Kind.F, Kind.I) for s in range(stages)}
-    total, t = 3 * stages * microbatches, 0
-    while sum(len(rank.row) for rank in ranks) < total:
-        for rank in ranks:
-            action = _pick(rank, t, stages, microbatches, done, nxt)
-            if action is not None:
-                _commit(rank, action, t, done, nxt)
-        t += 1
-        if t > 2 * total + stages:
-            raise AssertionError(f"list scheduler stuck at step {t} (caps {caps}, {hold_caps})")
+    left = 3 * stages * microbatches
+    t, capped = 0.0, True
+    while left:
+        # Until no free rank finds work: an action of zero cost ends at once.
+        busy = True
+        while busy:
+            busy = False
+            for rank in ranks:
+                if rank.free <= t and (action := _pick(rank, t, stages, microbatches, clock, nxt, capped)):
+                    _commit(rank, action, nxt)
+                    rank.free = t + cost(action)
+                    clock.ended(action, rank.free)
+                    left -= 1
+                    busy, capped = True, True
+        upcoming = clock.now()
+        if upcoming is None and left:
+            # Every rank waits and nothing is under way: the caps hold back
+            # the forward that would unblock the rest (with several stages a
+            # rank, costs can fill its cap with its first stage's forwards).
+            # One forward past the cap, then the caps hold again.
+            if not capped:
+                raise AssertionError(f"list scheduler stuck with {left} actions left")
+            capped = False
+            continue
+        t = upcoming
     rows = [rank.row for rank in ranks]
     return Schedule(name, len(ranks), stages, microbatches, tuple(stage_to_rank), rows)
 
 
+class _Clock:
+    """When each action ended, when its value is usable on a rank, and the
+    next moment anything changes."""
+
+    def __init__(self, stage_to_rank: Sequence[int], latency: float) -> None:
+        self.owner, self.latency = stage_to_rank, latency
+        self.end: dict[tuple[Kind, int, int], float] = {}
+        self.events, self.t = [], 0.0
+
+    def ended(self, action: Action, at: float) -> None:
+        self.end[(action.kind, action.stage, action.microbatch)] = at
+        heapq.heappush(self.events, at)
+        if self.latency:
+            heapq.heappush(self.events, at + self.latency)
+
+    def now(self) -> float | None:
+        """Moves to the next moment after the current one; None when nothing is left to happen."""
+        while self.events and self.events[0] <= self.t:
+            heapq.heappop(self.events)
+        if not self.events:
+            return None
+        self.t = heapq.heappop(self.events)
+        return self.t
+
+    def ready(self, kind: Kind, stage: int, mb: int, on_stage: int, t: float) -> bool:
+        """Whether (kind, stage, mb)'s value is usable by ``on_stage`` at ``t``."""
+        end = self.end.get((kind, stage, mb))
+        if end is None:
+            return False
+        return end + (self.latency if self.owner[stage] != self.owner[on_stage] else 0.0) <= t
+
+
 def _pick(
     rank: _Rank,
-    t: int,
+    t: float,
     stages: int,
     m: int,
-    done: dict[tuple[Kind, int, int], int],
+    clock: _Clock,
     nxt: dict[tuple[Kind, int], int],
+    capped: bool = True,
 ) -> Action | None:
-    """The policy: ready I, else ready F under the caps, else owed W, else None."""
-
-    def ready(kind: Kind, s: int, j: int) -> bool:
-        return done.get((kind, s, j), t + 1) <= t
-
+    """The policy: ready I, else ready F under the caps (or past them where
+    ``capped`` is false), else owed W, else None."""
     inputs = [
         Action(s, Kind.I, j)
         for s in rank.stages
         if (j := nxt[(Kind.I, s)]) < m
-        and ready(Kind.F, s, j)
-        and (s == stages - 1 or ready(Kind.I, s + 1, j))
+        and clock.ready(Kind.F, s, j, s, t)
+        and (s == stages - 1 or clock.ready(Kind.I, s + 1, j, s, t))
     ]
     if inputs:
         return min(inputs, key=_earliest)
-    if rank.live < rank.cap and rank.held < rank.hold_cap:
+    if not capped or (rank.live < rank.cap and rank.held < rank.hold_cap):
         forwards = [
             Action(s, Kind.F, j)
             for s in rank.stages
-            if (j := nxt[(Kind.F, s)]) < m and (s == 0 or ready(Kind.F, s - 1, j))
+            if (j := nxt[(Kind.F, s)]) < m and (s == 0 or clock.ready(Kind.F, s - 1, j, s, t))
         ]
         if forwards:
             return min(forwards, key=_earliest)
@@ -119,15 +188,8 @@ def _earliest(action: Action) -> tuple[int, int]:
     return action.microbatch, -action.stage
 
 
-def _commit(
-    rank: _Rank,
-    action: Action,
-    t: int,
-    done: dict[tuple[Kind, int, int], int],
-    nxt: dict[tuple[Kind, int], int],
-) -> None:
+def _commit(rank: _Rank, action: Action, nxt: dict[tuple[Kind, int], int]) -> None:
     rank.row.append(action)
-    done[(action.kind, action.stage, action.microbatch)] = t + 1
     if action.kind is Kind.F:
         nxt[(Kind.F, action.stage)] += 1
         rank.live += 1

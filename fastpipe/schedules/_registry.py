@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastpipe.schedules._costs import Costs
+
 from fastpipe.schedules._gen_classic import gpipe, looped_bfs, one_f_one_b
 from fastpipe.schedules._gen_dualpipe import dualpipev
 from fastpipe.schedules._gen_interleaved import interleaved_1f1b
 from fastpipe.schedules._gen_zero_bubble import zb_h1, zb_h2, zbv
 from fastpipe.schedules._ir import Schedule
 
-__all__ = ["build", "names"]
+__all__ = ["build", "names", "orders_by_cost"]
 
 Generator = Callable[[int, int, int], Schedule]
 
@@ -21,6 +23,7 @@ class _Entry:
     generator: Generator
     default_v: int
     fixed_v: bool  # True: stages_per_rank must equal default_v
+    by_cost: bool = False  # True: the generator orders its actions by given costs
 
 
 _REGISTRY: dict[str, _Entry] = {
@@ -28,9 +31,9 @@ _REGISTRY: dict[str, _Entry] = {
     "1f1b": _Entry(one_f_one_b, 1, True),
     "interleaved-1f1b": _Entry(interleaved_1f1b, 2, False),
     "looped-bfs": _Entry(looped_bfs, 2, False),
-    "zb-h1": _Entry(zb_h1, 1, True),
-    "zb-h2": _Entry(zb_h2, 1, True),
-    "zbv": _Entry(zbv, 2, True),
+    "zb-h1": _Entry(zb_h1, 1, True, by_cost=True),
+    "zb-h2": _Entry(zb_h2, 1, True, by_cost=True),
+    "zbv": _Entry(zbv, 2, True, by_cost=True),
     "dualpipev": _Entry(dualpipev, 2, True),
 }
 
@@ -45,7 +48,15 @@ def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
+def orders_by_cost(name: str) -> bool:
+    """Whether ``build(name, ..., costs=...)`` orders the actions by the
+    costs: the zero-bubble schedules, whose lists come from a list scheduler.
+    The others have a fixed order, whatever the costs."""
+    return name in _REGISTRY and _REGISTRY[name].by_cost
+
+
+def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
+          costs: Costs | None = None, latency: float = 0.0) -> Schedule:
     """Generate the schedule ``name`` for ``ranks`` ranks and ``microbatches`` microbatches.
 
     Args:
@@ -57,6 +68,14 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
             schedule's default: 1 for gpipe, 1f1b, zb-h1 and zb-h2 (which only
             take 1), 2 for interleaved-1f1b and looped-bfs (which take any
             value >= 1) and for zbv and dualpipev (which only take 2).
+        costs: zero-bubble schedules only (:func:`orders_by_cost`): the
+            actions' costs as :meth:`Schedule.simulate` takes them (per kind,
+            per stage, or a callable), e.g. a profile's F, I and W sums per
+            stage. The list scheduler then orders each rank's actions by
+            them instead of by F = I = W: where W is much cheaper than F, the
+            unit-cost order keeps forwards waiting for W slots that end long
+            before the next input arrives. ``None``: unit costs.
+        latency: with ``costs``, the time a value takes to reach another rank.
 
     Returns:
         The compute-only schedule; stage ``s`` of an interleaved or looped
@@ -85,7 +104,15 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
             f"schedule {name!r} has exactly {entry.default_v} stage(s) per rank, got "
             f"stages_per_rank={v}; pass {entry.default_v} or None"
         )
-    return entry.generator(ranks, microbatches, v)
+    if costs is None and latency == 0.0:
+        return entry.generator(ranks, microbatches, v)
+    if not entry.by_cost:
+        ordered = ", ".join(n for n, e in _REGISTRY.items() if e.by_cost)
+        raise ValueError(f"schedule {name!r} has a fixed order; costs and latency order only "
+                         f"{ordered}")
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
+        raise ValueError(f"latency must be a number >= 0, got {latency!r}")
+    return entry.generator(ranks, microbatches, v, costs=costs, latency=float(latency))
 
 
 def _is_int(value: object) -> bool:
