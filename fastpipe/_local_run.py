@@ -170,6 +170,13 @@ class LocalRunner:
             rank_lanes.synchronize(rank_lanes.record())
         self.recv_rings = None
 
+    def set_schedules(self, training, inference) -> None:
+        """Other lowered schedules (another order of the same placement),
+        before any step ran: the receive rings are sized from these."""
+        if self.recv_rings is not None:
+            raise RuntimeError("the receive rings were sized for the schedules already run")
+        self._training, self._inference = training, inference
+
     def _rings(self) -> ReceiveRings:
         if self.recv_rings is None:
             # The worst case over every timing, of training and of inference.

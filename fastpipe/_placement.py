@@ -55,6 +55,7 @@ class Placement:
 
             selective_recompute(model)
         self.balance = cfg.balance
+        self.order = None  # balance="auto": a zero-bubble order for the measured costs
         self.problem: str | None = None
         self.stages = None if cfg.balance is None else self._build()
 
@@ -97,25 +98,31 @@ class Placement:
     def split_by_time(self, x: Any) -> None:
         """balance="auto": the first stage's rank profiles every layer on the
         first microbatch of ``x``; every rank (and replica) takes its split,
-        then builds its stages. Every rank raises, or none."""
-        from fastpipe.balance import balance_by_time
+        then builds its stages. Every rank raises, or none. A built-in
+        zero-bubble schedule also gets the order for the profiled stage costs
+        where that simulates faster (``fastpipe._plan.order_for``):
+        ``order``, which the Pipe then runs; None keeps the schedule."""
+        from fastpipe._plan import order_for
+        from fastpipe.balance import balance_from_profile, profile
 
-        cfg, balance = self.cfg, None
+        cfg, chosen = self.cfg, (None, None)
         holder = cfg.schedule.stage_to_rank[0]
         profiles = not cfg.distributed or cfg.rank == holder  # it must hold every layer
         mine = meta_problem(list(self.model), range(len(self.model))) if profiles else None
         self._raise_on_all(mine)
         if profiles:
-            balance = balance_by_time(cfg.schedule.stages, self.model, x, cfg.chunks,
-                                      cfg.devices[holder], schedule=cfg.schedule)
+            prof = profile(self.model, x, cfg.devices[holder], cfg.chunks)
+            balance = balance_from_profile(prof, cfg.schedule.stages, schedule=cfg.schedule)
+            chosen = balance, order_for(prof, balance, cfg.schedule, cfg.checkpoint)
         if cfg.distributed:
-            box = [balance]
+            box = [chosen]
             src = dist.get_global_rank(cfg.group, holder) if cfg.group is not None else holder
             dist.broadcast_object_list(box, src=src, group=cfg.group)
             if cfg.dp_group is not None:  # every replica takes the first one's split
                 dist.broadcast_object_list(box, src=dist.get_global_rank(cfg.dp_group, 0),
                                            group=cfg.dp_group)
-            balance = box[0]
+            chosen = box[0]
+        balance, self.order = chosen
         self.balance = _args.resolve_balance(balance, self.model, cfg.schedule.stages)
         self._find_ties(self.balance)
         self.stages = self._build()

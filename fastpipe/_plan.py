@@ -28,7 +28,7 @@ from fastpipe.balance._partition import improve
 from fastpipe.runtime.checkpoint import MODES, checkpointed
 from fastpipe.schedules import Action, Kind, Schedule, Simulation, build, names, orders_by_cost
 
-__all__ = ["Candidate", "Plan", "balance_for", "ordered", "parse_bytes", "plan", "rank_memory"]
+__all__ = ["Candidate", "Plan", "balance_for", "order_for", "ordered", "parse_bytes", "plan", "rank_memory"]
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,22 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
                     costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency)
     other = by_cost.simulate(cost, rank_speed=speeds, latency=latency)
     return (by_cost, other) if other.makespan < sim.makespan else (schedule, sim)
+
+
+def order_for(prof: Profile, balance: Sequence[int], schedule: Schedule, mode: str = "never",
+              transfer_cost: float = 0.0) -> Schedule | None:
+    """``Pipe(balance="auto")``'s order: for a built-in zero-bubble
+    ``schedule`` (the order ``build`` gives for its name), the order of
+    ``ordered`` for the profile's stage costs over ``balance`` where that is
+    faster; None to keep ``schedule``."""
+    if not orders_by_cost(schedule.name):
+        return None
+    built = build(schedule.name, schedule.ranks, schedule.microbatches, schedule.stages // schedule.ranks)
+    if built.actions != schedule.actions or built.stage_to_rank != schedule.stage_to_rank:
+        return None  # the user's own list: theirs to order
+    cost = _cost_fn(_stage_sums(prof, balance), mode, schedule.microbatches, schedule, transfer_cost)
+    chosen = ordered(schedule, cost)[0]
+    return None if chosen is schedule else chosen
 
 
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:

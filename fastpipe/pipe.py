@@ -58,7 +58,10 @@ class Pipe(nn.Module):
         schedule: a name from ``fastpipe.schedules.names()`` or a ``Schedule``.
         balance: layers per stage, e.g. ``[3, 5]``; None balances parameter
             counts; ``"auto"`` balances layer times measured on the first
-            microbatch of the first ``step``.
+            microbatch of the first ``step``, and runs a zero-bubble
+            schedule given by name (zb-h1, zb-h2, zbv) in the order for the
+            measured F, I and W where that simulates faster
+            (``schedules.build(costs=)``); ``pipe.schedule`` is then that one.
         devices: local mode: one device per pipeline rank. Distributed mode:
             optional, one per rank (default: CPU for gloo, the current CUDA
             device for NCCL).
@@ -262,10 +265,23 @@ class Pipe(nn.Module):
         factor = _args.loss_scale(scaler, self.group, self.distributed, device)
         if self._stages is None:
             self._place.split_by_time(x)
+            if self._place.order is not None:
+                self._run_order(self._place.order)
         if not self._weights_checked:
             self._place.check_weights()
             self._weights_checked = True
         return (loss_fn if factor is None else _args.scaled_loss(loss_fn, factor)), factor
+
+    def _run_order(self, schedule) -> None:
+        """Runs ``schedule``, the same schedule's actions in another order
+        (same placement and microbatches), from the next step on; set before
+        the first step, so no receive ring was sized for the old order yet."""
+        self.schedule = schedule
+        self._lowered = lower(schedule)
+        self._forward_only = lower(_args.forward_schedule(schedule))
+        if not self.distributed:
+            self._runner.set_schedules(self._lowered, self._forward_only)
+        log.info("pipe: %s ordered by the measured stage costs", schedule.name)
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn, scaler=None):
         """Like ``step``, and also returns the step's measured timeline.
@@ -398,6 +414,8 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if self._stages is None:
             self._place.split_by_time(x)
+            if self._place.order is not None:
+                self._run_order(self._place.order)
         inputs, _, refused = self._split_inputs(x, None)
         results = self._run(self._forward_only, inputs, None, None, train=False, refuse=refused)
         if not results:

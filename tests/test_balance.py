@@ -361,3 +361,48 @@ def test_a_plan_runs_the_zero_bubble_order_its_costs_favour():
             torch.testing.assert_close(g, want[n])
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_auto_balance_orders_a_zero_bubble_schedule_by_the_measured_costs(schedule, monkeypatch):
+    """balance="auto" with a zero-bubble name: where the profile's W is a
+    quarter of F, the Pipe runs the order for those costs (the profile is
+    made up here, so the choice does not depend on this machine's timing),
+    with the unsplit model's gradients; a Schedule object of one's own, or
+    1F1B, keeps its order."""
+    import fastpipe.balance as balance_mod
+    from fastpipe.balance import LayerProfile, Profile
+    from fastpipe.schedules import build
+
+    def cheap_w(model, sample, device="cpu", chunks=1, **_):
+        layer = LayerProfile(1e-3, 1.25e-3, 1e-3, 0.25e-3, 100, 100, 100)
+        return Profile(tuple(layer for _ in model), 1, "cpu")
+
+    monkeypatch.setattr(balance_mod, "profile", cheap_w)
+    spr = 2 if schedule == "zbv" else None
+    model = mlp(depth=10)
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    pipe = Pipe(model, chunks=8, schedule=schedule, balance="auto", devices=["cpu", "cpu"],
+                stages_per_rank=spr)
+    built = pipe.schedule
+    try:
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    finally:
+        pipe.close()
+    assert pipe.schedule is not built and pipe.schedule.name == schedule
+    assert pipe.schedule.actions != built.actions
+    model.zero_grad()
+    ref_loss, ref_grads = reference(model, x, y, nn.functional.mse_loss, 8)
+    torch.testing.assert_close(loss, ref_loss)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], msg=name)
+    for own in (build(schedule, 2, 8, spr, costs={"F": 1.0, "I": 1.0, "W": 0.5}), "1f1b"):
+        pipe = Pipe(mlp(depth=10), chunks=8, schedule=own, balance="auto", devices=["cpu", "cpu"],
+                    stages_per_rank=None if own == "1f1b" else spr)
+        before = pipe.schedule
+        try:
+            pipe.step(x, y, nn.functional.mse_loss)
+        finally:
+            pipe.close()
+        assert pipe.schedule is before

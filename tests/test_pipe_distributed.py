@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpipe.schedules import names
+from fastpipe.schedules import build, names
 from tests import models
 from tests.support import spawn_ranks
 
@@ -111,8 +111,13 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("1f1b", model="five_model", balance=[2, 3], steps=2),
         _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2),
         *[_case(s, input_grad=True, steps=2) for s in ("1f1b", "zb-h2", "zbv", "dualpipev")],
+        _case("zbv", model="mlp_deep", chunks=8, balance="auto", cheap_w=True, steps=2),
     ]
-    _verify(cases, _spawn(2, cases, tmp_path))
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    # balance="auto" ran the order for the (made-up) measured costs, the same on both ranks.
+    orders = [r[-1]["order"] for r in results]
+    assert orders[0] == orders[1] != build("zbv", 2, 8).actions
 
 
 SHM = {"shm": True, "overlap": False}

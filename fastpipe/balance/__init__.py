@@ -71,7 +71,12 @@ def balance_by_time(
         >>> sum(balance_by_time(2, model, torch.randn(8, 64)))
         3
     """
-    prof = profile(model, sample, device, chunks)
+    return balance_from_profile(profile(model, sample, device, chunks), stages, speeds, schedule)
+
+
+def balance_from_profile(prof: Profile, stages: int, speeds: Sequence[float] | None = None,
+                         schedule=None) -> list[int]:
+    """``balance_by_time``'s split of an existing profile (same arguments)."""
     if schedule is not None:
         if schedule.stages != stages:
             raise ValueError(f"schedule {schedule.name!r} has {schedule.stages} stages, not {stages}")
