@@ -196,7 +196,8 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
             latency: float = 0.0) -> tuple[Schedule, Simulation]:
     """The order to run for these costs, and its simulation: for a zero-bubble
     schedule, the list scheduler's order for ``cost`` (``build(costs=)``)
-    where it simulates faster than ``schedule``; else ``schedule``.
+    where it simulates faster than ``schedule`` with no rank holding more
+    microbatches in flight; else ``schedule``.
 
     The built-in zero-bubble orders assume F = I = W. On transformer layers
     W is often a quarter of F, and a greedy order for the real costs is
@@ -218,7 +219,10 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
                     schedule.stages // schedule.ranks,
                     costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency)
     other = by_cost.simulate(cost, rank_speed=speeds, latency=latency)
-    return (by_cost, other) if other.makespan < sim.makespan else (schedule, sim)
+    # Never more in flight than the built-in order (the policy may run a
+    # forward past its cap rather than stall).
+    leaner = all(a <= b for a, b in zip(other.peak_inflight, sim.peak_inflight))
+    return (by_cost, other) if other.makespan < sim.makespan and leaner else (schedule, sim)
 
 
 def order_for(prof: Profile, balance: Sequence[int], schedule: Schedule, mode: str = "never",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
 import time
@@ -345,6 +346,19 @@ def test_a_plan_runs_the_zero_bubble_order_its_costs_favour():
     assert sim.makespan < built.simulate(cheap_w).makespan
     one_f_one_b = build("1f1b", 2, 8)
     assert ordered(one_f_one_b, lambda a: 1.0)[0] is one_f_one_b  # a fixed order stays
+    # Whatever the costs: never slower, never more in flight than the built-in order.
+    rng = random.Random(0)
+    for name, p, v in [("zb-h1", 3, 1), ("zb-h2", 3, 1), ("zbv", 2, 2), ("zbv", 3, 2)] * 10:
+        table = {k: [rng.choice([0.1, 0.25, 0.5, 1.0, 2.0]) for _ in range(p * v)] for k in "FIW"}
+
+        def cost(a, table=table):
+            return table[a.kind.value][a.stage]
+
+        fixed = build(name, p, 8, v)
+        mine, sim = ordered(fixed, cost)
+        before = fixed.simulate(cost)
+        assert sim.makespan <= before.makespan
+        assert all(a <= b for a, b in zip(sim.peak_inflight, before.peak_inflight))
 
     model = mlp()  # 6 layers, float64
     best = Candidate("zb-h1", 8, 1, (3, 3), "never", 0.01, 0.1, (1, 1), chosen)
