@@ -151,6 +151,12 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "schedules compare fairly",
     )
     simulate.add_argument(
+        "--by-cost",
+        action="store_true",
+        help="zb-h1, zb-h2 and zbv in the order their list scheduler picks for --costs "
+        "(what plan and balance='auto' may run) instead of the built-in order",
+    )
+    simulate.add_argument(
         "--png", metavar="FILE", help="write the timeline to this PNG (needs matplotlib)"
     )
     simulate.add_argument(
@@ -195,8 +201,6 @@ def _parse_costs(text: str) -> dict[str, float]:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    from fastpipe.schedules import build
-
     if args.compare:
         if args.png or args.trace:
             args.parser.error(
@@ -206,7 +210,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     if args.schedule is None:
         args.parser.error("--schedule is required unless --compare is given")
     try:
-        schedule = build(args.schedule, args.ranks, args.microbatches, args.stages_per_rank)
+        schedule = _built(args.schedule, args)
         schedule.validate()
         sim = schedule.simulate(_per_stage(args.costs, schedule))
     except ValueError as exc:
@@ -231,12 +235,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from fastpipe.schedules import build, names
+    from fastpipe.schedules import names
 
     rows = []
     for name in names():
         try:
-            schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank)
+            schedule = _built(name, args)
         except ValueError:
             continue  # this schedule cannot take these parameters
         rows.append((schedule.simulate(_per_stage(args.costs, schedule)), schedule))
@@ -252,6 +256,17 @@ def _run_compare(args: argparse.Namespace) -> int:
             f"{sim.peak_inflight}"
         )
     return 0
+
+
+def _built(name: str, args: argparse.Namespace) -> Schedule:
+    """The schedule ``name`` as the command line asks for it (``--by-cost``: ordered for ``--costs``)."""
+    from fastpipe.schedules import build, orders_by_cost
+
+    schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank)
+    if args.by_cost and orders_by_cost(name):
+        schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank,
+                         costs=_per_stage(args.costs, schedule))
+    return schedule
 
 
 def _per_stage(costs: dict[str, float] | None, schedule: Schedule) -> Callable[[Action], float]:

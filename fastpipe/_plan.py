@@ -98,10 +98,12 @@ class Plan:
         for c in self.candidates[:top]:
             mark = "*" if c == self.best else " " if c.fits(self.memory_limit) else "x"
             mem = " / ".join(format_bytes(m) for m in c.memory)
-            rows.append(f"{mark:2}{c.schedule:<18}{c.chunks:>7}{c.checkpoint:>12}"
+            name = c.schedule + ("~" if c.order is not None else "")
+            rows.append(f"{mark:2}{name:<18}{c.chunks:>7}{c.checkpoint:>12}"
                         f"{c.step_seconds * 1e3:>10.2f}{c.bubble_ratio:>8.3f}{mem:>22}  {list(c.balance)}")
         limit = "none" if self.memory_limit is None else format_bytes(self.memory_limit)
-        rows.append(f"  (* chosen, x over the memory limit: {limit}; {len(self.candidates)} candidates)")
+        rows.append(f"  (* chosen, x over the memory limit: {limit}; ~ ordered by the measured "
+                    f"costs; {len(self.candidates)} candidates)")
         if self.why_one_chunk() is not None:
             rows.append(f"  {self.why_one_chunk()}")
         text = "\n".join(rows)

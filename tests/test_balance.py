@@ -362,6 +362,7 @@ def test_a_plan_runs_the_zero_bubble_order_its_costs_favour():
 
     model = mlp()  # 6 layers, float64
     best = Candidate("zb-h1", 8, 1, (3, 3), "never", 0.01, 0.1, (1, 1), chosen)
+    assert "zb-h1~" in Plan(best, [best]).explain()  # marked as ordered by the costs
     pipe = Pipe(model, plan=Plan(best, [best]), schedule="zb-h1", devices=["cpu", "cpu"])
     try:
         assert pipe.schedule is chosen

@@ -68,6 +68,23 @@ def test_simulate_writes_png_and_trace(tmp_path, capsys) -> None:
     assert f"wrote {png}\n" in out and f"wrote {trace}\n" in out
 
 
+def test_by_cost_orders_zero_bubble_schedules_for_the_costs(capsys) -> None:
+    """A cheap W: ZB-H1 in the order for the costs beats its built-in order;
+    --by-cost leaves schedules of a fixed order as they are."""
+    argv = ["simulate", "--schedule", "zb-h1", "--ranks", "2", "--costs", "F=1,I=1,W=0.25"]
+    assert main(argv) == 0
+    built = _makespan(capsys.readouterr().out)
+    assert main([*argv, "--by-cost"]) == 0
+    out = capsys.readouterr().out
+    assert _makespan(out) < built
+    assert build("zb-h1", 2, 8, costs={"F": 1, "I": 1, "W": 0.25}).render_text() in out
+    argv[2] = "1f1b"
+    assert main(argv) == 0
+    fixed = capsys.readouterr().out
+    assert main([*argv, "--by-cost"]) == 0
+    assert capsys.readouterr().out == fixed
+
+
 def test_compare_sorts_by_makespan(capsys) -> None:
     assert main(["simulate", "--compare", "--ranks", "4", "--microbatches", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()[1:]
