@@ -4,6 +4,7 @@ rank agree on them before a step."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
@@ -141,6 +142,8 @@ class Placement:
         cfg = self.cfg
         mine = {
             "layers": len(self.model), "chunks": cfg.chunks, "schedule": cfg.schedule.name,
+            # Two orders of one schedule (each rank's own plan, say) would wait on each other.
+            "schedule's action order (digest)": _digest(cfg.schedule.actions),
             "stages": cfg.schedule.stages, "placement": tuple(cfg.schedule.stage_to_rank),
             "balance": "auto" if self.balance is None else tuple(self.balance),
             "checkpoint": cfg.checkpoint, "recompute": cfg.recompute,
@@ -221,3 +224,9 @@ class Placement:
         if not cfg.distributed and across and self.problem is None:
             self.local_ties = LocalTies(across, stages, cfg.devices)
         return stages
+
+
+def _digest(actions) -> str:
+    """A short digest of every rank's action list, the same in every process
+    (``hash`` of a string is not)."""
+    return hashlib.sha256(repr(actions).encode()).hexdigest()[:12]

@@ -146,6 +146,20 @@ def test_ranks_that_disagree_fail_at_construction(tmp_path, setting, values):
 
 
 @pytest.mark.timeout(120)
+def test_ranks_with_two_orders_of_one_schedule_fail_at_construction(tmp_path):
+    """Same name, other order (each rank planned on its own): refused, not a hang."""
+    from fastpipe.schedules import build
+
+    orders = {0: build("zb-h1", 2, 4), 1: build("zb-h1", 2, 4, costs={"F": 1, "I": 1, "W": 0.25})}
+    assert orders[0].actions != orders[1].actions
+    (r0, r1), _ = _run({"fault": "none", "per_rank": {r: {"schedule": o} for r, o in orders.items()}},
+                       tmp_path)
+    for res in (r0, r1):
+        assert not res["ok"] and res["type"] == "ValueError", res
+        assert "disagree on schedule's action order" in res["message"], res["message"]
+
+
+@pytest.mark.timeout(120)
 def test_shared_memory_required_but_refused_on_one_rank_fails_every_rank(tmp_path):
     (r0, r1), _ = _run({"fault": "none", "shm": True, "per_rank": {1: {"overlap": True}}}, tmp_path)
     for res in (r0, r1):
