@@ -1,7 +1,8 @@
-"""Where a distributed step's time goes: each rank's actions, measured.
+"""Where a step's time goes: each rank's actions, measured.
 
-Two gloo ranks on 127.0.0.1, one intra-op thread each, the workload, split
-and orders of ``python -m bench pipelining``. After the warm-up, every step runs
+Two gloo ranks on 127.0.0.1, one intra-op thread each (``--local``: two
+ranks as threads of one process), the workload, split and orders of
+``python -m bench pipelining``. After the warm-up, every step runs
 through ``Pipe.step_with_timeline``; the report gives, per schedule and rank,
 the median over the recorded steps (``--repeats``) of the step's span and of
 the rank's time computing (busy), waiting for data, in sends, in the rest
@@ -11,7 +12,7 @@ median duration. ``--trace DIR``
 writes the last recorded step of each schedule as a Chrome trace
 (``chrome://tracing`` / Perfetto).
 
-    python -m bench timeline [--model gpt] [--workload compute|overhead]
+    python -m bench timeline [--model gpt] [--workload compute|overhead] [--local]
                              [--schedules 1f1b,zb-h2] [--repeats N] [--trace DIR]
 """
 
@@ -55,28 +56,31 @@ def _summary(sim, rank: int) -> dict[str, float]:
     return out
 
 
-def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps, trace):
+def _record(w, schedule, bal, order, warmup: int, steps: int, trace: str | None, **where) -> list:
+    """``steps`` recorded steps of one schedule after ``warmup`` plain ones."""
     from fastpipe import Pipe
 
+    x, y = w.data()
+    spr = 2 if schedule in TWO_STAGES else None
+    pipe = Pipe(w.build(), chunks=w.chunks, schedule=order, balance=bal, stages_per_rank=spr, **where)
+    try:
+        for _ in range(warmup):
+            pipe.step(x, y, w.loss_fn)
+        sims = [pipe.step_with_timeline(x, y, w.loss_fn)[1] for _ in range(steps)]
+    finally:
+        pipe.close()
+    if trace is not None and (not pipe.distributed or pipe.rank == 0):
+        mode = "local" if not pipe.distributed else "dist"
+        sims[-1].to_chrome_trace(Path(trace) / f"{w.name}-{schedule}-{mode}.json")
+    return [[_summary(s, r) for s in sims] for r in range(pipe.schedule.ranks)]
+
+
+def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps, trace):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     w = WORKLOADS[name]
-    x, y = w.data()
-    results = {}
     try:
-        for schedule, bal in balances.items():
-            spr = 2 if schedule in TWO_STAGES else None
-            pipe = Pipe(w.build(), chunks=w.chunks, schedule=orders[schedule], balance=bal,
-                        stages_per_rank=spr)
-            try:
-                for _ in range(warmup):
-                    pipe.step(x, y, w.loss_fn)
-                sims = [pipe.step_with_timeline(x, y, w.loss_fn)[1] for _ in range(steps)]
-            finally:
-                pipe.close()
-            if trace is not None and rank == 0:
-                sims[-1].to_chrome_trace(Path(trace) / f"{name}-{schedule}.json")
-            results[schedule] = [[_summary(s, r) for s in sims] for r in range(world)]
+        results = {s: _record(w, s, bal, orders[s], warmup, steps, trace) for s, bal in balances.items()}
     finally:
         dist.destroy_process_group()
     queue.put((rank, results))
@@ -87,14 +91,21 @@ def _median(steps: list[dict[str, float]], key: str) -> float:
 
 
 def run(w, schedules: list[str], warmup: int, steps: int, trace: str | None, ranks: int = 2,
-        by_cost: bool = True) -> None:
+        by_cost: bool = True, local: bool = False) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if trace is not None:
         Path(trace).mkdir(parents=True, exist_ok=True)
     balances = {s: balance(w, s, ranks) for s in schedules}
     orders = {s: order(w, s, balances[s], ranks, by_cost) for s in schedules}
-    results = spawn(ranks, _rank_main, w.name, balances, orders, warmup, steps, trace)[0]
-    print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; medians of {steps} steps, ms")
+    if local:
+        torch.set_num_threads(1)
+        results = {s: _record(w, s, bal, orders[s], warmup, steps, trace, devices=["cpu"] * ranks)
+                   for s, bal in balances.items()}
+        how = f"local mode, {ranks} cpu devices"
+    else:
+        results = spawn(ranks, _rank_main, w.name, balances, orders, warmup, steps, trace)[0]
+        how = f"{ranks} gloo ranks"
+    print(f"\n{w.name}: {w.describe()}, {how} x 1 thread; medians of {steps} steps, ms")
     print(describe_orders(orders))
     kinds = [k for k in _COMPUTE if any(f"{k} n" in s for per in results.values() for r in per for s in r)]
     head = "".join(f"{k + ' n':>6}{k + ' ms':>8}" for k in kinds)
@@ -110,8 +121,10 @@ def run(w, schedules: list[str], warmup: int, steps: int, trace: str | None, ran
 def main(argv=None) -> int:
     parser = workload_parser("python -m bench timeline", __doc__, SCHEDULES)
     parser.add_argument("--trace", default=None, help="a folder for each schedule's Chrome trace")
+    parser.add_argument("--local", action="store_true",
+                        help="local mode: the ranks as threads of this process (as bench local)")
     args = parser.parse_args(argv)
     for w in selected(args):
         run(w, args.schedules.split(","), args.warmup, args.repeats, args.trace,
-            by_cost=not args.built_in_order)
+            by_cost=not args.built_in_order, local=args.local)
     return 0
