@@ -56,13 +56,14 @@ def _summary(sim, rank: int) -> dict[str, float]:
     return out
 
 
-def _record(w, schedule, bal, order, warmup: int, steps: int, trace: str | None, **where) -> list:
-    """``steps`` recorded steps of one schedule after ``warmup`` plain ones."""
+def _record(w, schedule: str, bal, runs, warmup: int, steps: int, trace: str | None, **where) -> list:
+    """``steps`` recorded steps of ``schedule`` (run as ``runs``: its name or
+    its order for the measured costs) after ``warmup`` plain ones."""
     from fastpipe import Pipe
 
     x, y = w.data()
     spr = 2 if schedule in TWO_STAGES else None
-    pipe = Pipe(w.build(), chunks=w.chunks, schedule=order, balance=bal, stages_per_rank=spr, **where)
+    pipe = Pipe(w.build(), chunks=w.chunks, schedule=runs, balance=bal, stages_per_rank=spr, **where)
     try:
         for _ in range(warmup):
             pipe.step(x, y, w.loss_fn)
