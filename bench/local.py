@@ -44,7 +44,7 @@ from torch import nn
 
 from bench._runner import round_robin_medians, workload_parser
 from bench._workloads import Workload, selected
-from bench.pipelining import TWO_STAGES, balance, fused_sequential_step, order
+from bench.pipelining import TWO_STAGES, balance, describe_orders, fused_sequential_step, order
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
@@ -116,12 +116,13 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
     if True in variants:
         pipe, runners["sequential" + FUSED] = fused_sequential_step(w)
         pipes.append(pipe)
+    orders = {}
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
         bal = balance(w, schedule)
+        orders[schedule] = order(w, schedule, bal, by_cost=by_cost)
         for f in variants:
-            pipes.append(Pipe(w.build(), chunks=w.chunks, balance=bal,
-                              schedule=order(w, schedule, bal, by_cost=by_cost),
+            pipes.append(Pipe(w.build(), chunks=w.chunks, balance=bal, schedule=orders[schedule],
                               devices=["cpu", "cpu"], stages_per_rank=spr, fused_wgrad=f))
             name = schedule + (FUSED if f else "")
             runners[name] = functools.partial(pipes[-1].step, x, y, w.loss_fn)
@@ -146,6 +147,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
         print(f"  torchgpipe (GPipe)  {theirs * 1e3:8.1f} ms  efficiency {ideal / theirs:.2f}")
     else:
         print("  torchgpipe not installed: pip install torchgpipe==0.0.7 for the peer column")
+    print(describe_orders(orders))
     print(f"  {'fastpipe schedule':<18}{'ms':>9}{'efficiency':>12}{'torchgpipe/fastpipe':>21}")
     for schedule, ours in rows.items():
         ratio = f"{theirs / ours:>21.2f}" if theirs is not None else ""
