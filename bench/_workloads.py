@@ -99,16 +99,6 @@ class Workload:
 
         return balance_for(_profile(self.name), schedule)
 
-    def order(self, schedule, balance: list[int]):
-        """What fastpipe runs for ``schedule`` (a built ``Schedule``) over
-        ``balance``: a zero-bubble schedule ordered by the measured stage
-        costs where that simulates faster, as ``fastpipe.plan`` chooses
-        (``fastpipe._plan.ordered``); else ``schedule``."""
-        from fastpipe._plan import _cost_fn, _stage_sums, ordered
-
-        sums = _stage_sums(_profile(self.name), balance)
-        return ordered(schedule, _cost_fn(sums, "never", schedule.microbatches, schedule, 0.0))[0]
-
     def sequential_step(self) -> Callable[[], None]:
         """fwd+bwd of the unsplit model over the same microbatches."""
         model, (x, y), loss_fn = self.build(), self.data(), self.loss_fn

@@ -27,7 +27,7 @@ compute-bound and overhead-bound; both libraries get the same layers per
 stage: the measured layer times split as ``Pipe(balance="auto")`` splits
 them (``Workload.balance``; the report prints it). fastpipe runs its
 zero-bubble schedules in the order ``fastpipe.plan`` gives them for the same
-measured costs (``Workload.order``: ordered by the costs where that
+measured costs (``order``: ordered by the costs where that
 simulates faster than the built-in order; the report says which, and times
 the built-in order beside it); torch runs its own.
 
@@ -63,16 +63,19 @@ def balance(w: Workload, schedule: str, ranks: int = 2) -> list[int]:
 
 def order(w: Workload, schedule: str, bal: list[int], ranks: int = 2, by_cost: bool = True):
     """What fastpipe runs for ``schedule`` over ``bal``: the name, or a
-    zero-bubble ``Schedule`` ordered by the measured stage costs where that
-    simulates faster (``Workload.order``, as ``fastpipe.plan`` chooses);
-    always the name when not ``by_cost``."""
+    zero-bubble ``Schedule`` ordered by the workload's measured stage costs
+    where that simulates faster, as ``fastpipe.plan`` chooses
+    (``fastpipe._plan.ordered``); always the name when not ``by_cost``."""
+    from bench._workloads import _profile
+    from fastpipe._plan import _cost_fn, _stage_sums, ordered
     from fastpipe.schedules import build
 
     if not by_cost:
         return schedule
     spr = 2 if schedule in TWO_STAGES else 1
     built = build(schedule, ranks, w.chunks, stages_per_rank=spr)
-    chosen = w.order(built, bal)
+    cost = _cost_fn(_stage_sums(_profile(w.name), bal), "never", w.chunks, built, 0.0)
+    chosen = ordered(built, cost)[0]
     return schedule if chosen is built else chosen
 
 

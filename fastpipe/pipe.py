@@ -264,18 +264,23 @@ class Pipe(nn.Module):
         device = self.devices[self.rank if self.distributed else self.schedule.stage_to_rank[-1]]
         factor = _args.loss_scale(scaler, self.group, self.distributed, device)
         if self._stages is None:
-            self._place.split_by_time(x)
-            if self._place.order is not None:
-                self._run_order(self._place.order)
+            self._split_by_time(x)
         if not self._weights_checked:
             self._place.check_weights()
             self._weights_checked = True
         return (loss_fn if factor is None else _args.scaled_loss(loss_fn, factor)), factor
 
+    def _split_by_time(self, x: Any) -> None:
+        """balance="auto" at the first step or forward: the split, then the
+        zero-bubble order for the measured costs where the placement chose one.
+        Before anything ran, so no receive ring was sized for the old order."""
+        self._place.split_by_time(x)
+        if self._place.order is not None:
+            self._run_order(self._place.order)
+
     def _run_order(self, schedule) -> None:
         """Runs ``schedule``, the same schedule's actions in another order
-        (same placement and microbatches), from the next step on; set before
-        the first step, so no receive ring was sized for the old order yet."""
+        (same placement and microbatches), from the next step on."""
         self.schedule = schedule
         self._lowered = lower(schedule)
         self._forward_only = lower(_args.forward_schedule(schedule))
@@ -413,9 +418,7 @@ class Pipe(nn.Module):
         """
         self._check_not_broken()
         if self._stages is None:
-            self._place.split_by_time(x)
-            if self._place.order is not None:
-                self._run_order(self._place.order)
+            self._split_by_time(x)
         inputs, _, refused = self._split_inputs(x, None)
         results = self._run(self._forward_only, inputs, None, None, train=False, refuse=refused)
         if not results:
