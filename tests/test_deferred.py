@@ -327,6 +327,56 @@ def test_native_forward_is_the_python_forward_bit_for_bit(name, autocast, monkey
                 torch.testing.assert_close(u, v, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(deferred.native_chain() is None, reason="fastpipe._chain is not built")
+def test_native_forward_lets_other_threads_run_during_its_op():
+    """The C++ deferring forward runs its op without the GIL, as torch's own
+    bindings do: local ranks are threads of one interpreter, and one rank's
+    kernel must not stop the other's Python. A thread that wakes every
+    millisecond gets to run while a long Linear is inside the native call."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 512)
+    rows = 256
+    while True:  # a call long enough that the margins below leave a window
+        x = torch.randn(rows, 512)
+        start = time.perf_counter()
+        nn.functional.linear(x, lin.weight, lin.bias)
+        if time.perf_counter() - start > 0.15 or rows >= 1 << 20:
+            break
+        rows *= 2
+    layers = deferred.install(lin)
+    stamps, stop = [], threading.Event()
+
+    def wake():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    waker = threading.Thread(target=wake)
+    try:
+        with deferred.collecting(deferred.Pending()):
+            lin(x[:2])  # the first call makes the plan; the next is native
+            assert lin.__dict__["forward"].planned
+            waker.start()
+            time.sleep(0.01)
+            start = time.perf_counter()
+            lin(x)
+            end = time.perf_counter()
+    finally:
+        stop.set()
+        if waker.is_alive():
+            waker.join()
+        deferred.uninstall(layers)
+    # With the GIL held for the whole call the thread could run only in the
+    # few milliseconds of Python around it (one switch interval, 5 ms).
+    margin = 0.03
+    assert end - start > 3 * margin
+    inside = [t for t in stamps if start + margin < t < end - margin]
+    assert inside, f"no wake-up inside a {end - start:.3f} s call"
+
+
 class _Mixed(nn.Module):
     """A stage whose I has every kind of output: a deferred Linear, a
     parameter used outside any layer (autograd's gradient in I), a weight

@@ -95,6 +95,44 @@ struct Plan {
   }
 };
 
+// A planned layer's op: its output, and what its W keeps (the input, cast
+// as autocast casts a linear's (an addmm's) input, so W keeps that copy).
+// Called without the GIL.
+std::pair<at::Tensor, at::Tensor> deferred_op(std::int64_t kind, const at::Tensor& x,
+                                              const std::optional<at::Tensor>& weight,
+                                              const std::optional<at::Tensor>& bias,
+                                              const std::vector<std::int64_t>& ints,
+                                              const std::optional<double>& eps) {
+  auto autocast_input = [](const at::Tensor& in) {
+    const auto dev = in.device().type();
+    if (at::autocast::is_autocast_available(dev) && at::autocast::is_autocast_enabled(dev)) {
+      const auto low = at::autocast::get_autocast_dtype(dev);
+      if (in.scalar_type() != low && in.is_floating_point()) return in.to(low);
+    }
+    return in;
+  };
+  switch (kind) {
+    case kLinear: {
+      at::Tensor in = autocast_input(x);
+      return {at::linear(in, *weight, bias), in.detach()};
+    }
+    case kConv1D: {  // weight_rules.Conv1DRule.forward
+      at::Tensor in = autocast_input(x.view({-1, x.size(-1)}));
+      std::vector<std::int64_t> size = x.sizes().vec();
+      size.back() = ints[0];
+      return {at::addmm(*bias, in, *weight).view(size), in.detach()};
+    }
+    case kLayerNorm:
+      return {at::layer_norm(x, ints, weight, bias, eps.value_or(1e-5),
+                             at::globalContext().userEnabledCuDNN()),
+              x.detach()};
+    case kEmbedding:
+      return {at::embedding(*weight, x, ints[0], ints[1] != 0, false), x.detach()};
+    default:  // kRMSNorm
+      return {at::rms_norm(x, ints, weight, eps), x.detach()};
+  }
+}
+
 class DeferringForward {
  public:
   explicit DeferringForward(py::object slow) : slow_(std::move(slow)) {}
@@ -132,46 +170,21 @@ class DeferringForward {
       return slow_(*args, **kwargs);
     }
     const Plan& p = *plan_;
-    const at::Tensor& x = THPVariable_Unpack(args[0].ptr());
+    // The op runs without the GIL, as torch's own Python bindings run it: ranks
+    // that are threads of one interpreter (local mode) run their Python beside
+    // another rank's kernels. What it reads is copied first, so the plan may
+    // change under it.
+    const std::int64_t kind = p.kind;
+    at::Tensor x = THPVariable_Unpack(args[0].ptr());
+    std::optional<at::Tensor> weight = p.detached[0];
+    std::optional<at::Tensor> bias = p.detached.size() > 1 ? p.detached[1] : std::nullopt;
+    std::vector<std::int64_t> ints = p.ints;
+    const std::optional<double> eps = p.eps;
     at::Tensor out;
     at::Tensor kept;
-    // Cast as autocast casts a linear's (an addmm's) input, so W keeps that copy.
-    auto autocast_input = [](const at::Tensor& in) {
-      const auto dev = in.device().type();
-      if (at::autocast::is_autocast_available(dev) && at::autocast::is_autocast_enabled(dev)) {
-        const auto low = at::autocast::get_autocast_dtype(dev);
-        if (in.scalar_type() != low && in.is_floating_point()) return in.to(low);
-      }
-      return in;
-    };
-    switch (p.kind) {
-      case kLinear: {
-        at::Tensor in = autocast_input(x);
-        out = at::linear(in, *p.detached[0], p.detached[1]);
-        kept = in.detach();
-        break;
-      }
-      case kConv1D: {  // weight_rules.Conv1DRule.forward
-        at::Tensor in = autocast_input(x.view({-1, x.size(-1)}));
-        std::vector<std::int64_t> size = x.sizes().vec();
-        size.back() = p.ints[0];
-        out = at::addmm(*p.detached[1], in, *p.detached[0]).view(size);
-        kept = in.detach();
-        break;
-      }
-      case kLayerNorm:
-        out = at::layer_norm(x, p.ints, p.detached[0], p.detached[1], p.eps.value_or(1e-5),
-                             at::globalContext().userEnabledCuDNN());
-        kept = x.detach();
-        break;
-      case kEmbedding:
-        out = at::embedding(*p.detached[0], x, p.ints[0], p.ints[1] != 0, false);
-        kept = x.detach();
-        break;
-      default:  // kRMSNorm
-        out = at::rms_norm(x, p.ints, p.detached[0], p.eps);
-        kept = x.detach();
-        break;
+    {
+      py::gil_scoped_release nogil;
+      std::tie(out, kept) = deferred_op(kind, x, weight, bias, ints, eps);
     }
     if (!out.requires_grad()) out.requires_grad_(true);  // nothing before it trains: a leaf of its own
     const auto edge = torch::autograd::impl::gradient_edge(out);
