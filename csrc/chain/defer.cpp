@@ -29,6 +29,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -156,12 +157,12 @@ class DeferringForward {
     if (kind == kConv1D && (p.ints.size() != 1 || p.detached.size() != 2 || !p.detached[0] || !p.detached[1])) {
       throw py::value_error("a Conv1D plan needs its weight, its bias and its output width");
     }
-    plan_ = std::move(p);
+    plan_ = std::make_shared<const Plan>(std::move(p));
   }
 
   void clear_plan() { plan_.reset(); }
 
-  bool planned() const { return plan_.has_value(); }
+  bool planned() const { return plan_ != nullptr; }
 
   py::object call(const py::args& args, const py::kwargs& kwargs) {
     if (!plan_ || tls_entries == nullptr || entry_type == nullptr || args.size() != 1 || PyDict_GET_SIZE(kwargs.ptr()) != 0 ||
@@ -169,22 +170,20 @@ class DeferringForward {
         !THPVariable_CheckExact(args[0].ptr()) || !plan_->current()) {
       return slow_(*args, **kwargs);
     }
-    const Plan& p = *plan_;
     // The op runs without the GIL, as torch's own Python bindings run it: ranks
     // that are threads of one interpreter (local mode) run their Python beside
-    // another rank's kernels. What it reads is copied first, so the plan may
-    // change under it.
-    const std::int64_t kind = p.kind;
-    at::Tensor x = THPVariable_Unpack(args[0].ptr());
-    std::optional<at::Tensor> weight = p.detached[0];
-    std::optional<at::Tensor> bias = p.detached.size() > 1 ? p.detached[1] : std::nullopt;
-    std::vector<std::int64_t> ints = p.ints;
-    const std::optional<double> eps = p.eps;
+    // another rank's kernels. The call holds its plan meanwhile (set_plan may
+    // replace it), and drops it with the GIL held again.
+    const std::shared_ptr<const Plan> plan = plan_;
+    const Plan& p = *plan;
+    const at::Tensor& x = THPVariable_Unpack(args[0].ptr());
+    const std::optional<at::Tensor> none;
     at::Tensor out;
     at::Tensor kept;
     {
       py::gil_scoped_release nogil;
-      std::tie(out, kept) = deferred_op(kind, x, weight, bias, ints, eps);
+      std::tie(out, kept) = deferred_op(p.kind, x, p.detached[0], p.detached.size() > 1 ? p.detached[1] : none,
+                                        p.ints, p.eps);
     }
     if (!out.requires_grad()) out.requires_grad_(true);  // nothing before it trains: a leaf of its own
     const auto edge = torch::autograd::impl::gradient_edge(out);
@@ -210,7 +209,7 @@ class DeferringForward {
 
  private:
   py::object slow_;  // the Python _Forward: decides plans, runs every other call
-  std::optional<Plan> plan_;
+  std::shared_ptr<const Plan> plan_;  // shared: a call keeps its plan while the GIL is released
 };
 
 // --- I: the input gradients, and each deferred layer's output gradient ------
