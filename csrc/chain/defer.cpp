@@ -173,10 +173,15 @@ class DeferringForward {
     // The op runs without the GIL, as torch's own Python bindings run it: ranks
     // that are threads of one interpreter (local mode) run their Python beside
     // another rank's kernels. The call holds its plan meanwhile (set_plan may
-    // replace it), and drops it with the GIL held again.
+    // replace it), and drops it with the GIL held again. It also holds a C++
+    // reference to its input, taken with the GIL: torch takes the GIL to keep a
+    // tensor's Python object alive when a second C++ reference to it appears
+    // (and to let it go when that one goes), which the op's views and saved
+    // tensors would otherwise make it do without the GIL, once or more a call.
+    // The plan's detached parameters are such references already.
     const std::shared_ptr<const Plan> plan = plan_;
     const Plan& p = *plan;
-    const at::Tensor& x = THPVariable_Unpack(args[0].ptr());
+    const at::Tensor x = THPVariable_Unpack(args[0].ptr());
     const std::optional<at::Tensor> none;
     at::Tensor out;
     at::Tensor kept;
