@@ -337,13 +337,15 @@ def test_native_forward_lets_other_threads_run_during_its_op():
     import time
 
     torch.manual_seed(0)
-    lin = nn.Linear(512, 512)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the call's length does not depend on the cores
+    lin = nn.Linear(1024, 1024)
     rows = 256
-    while True:  # a call long enough that the margins below leave a window
-        x = torch.randn(rows, 512)
+    while True:  # a call long enough that the margins below leave a window (at most 128 MiB)
+        x = torch.randn(rows, 1024)
         start = time.perf_counter()
         nn.functional.linear(x, lin.weight, lin.bias)
-        if time.perf_counter() - start > 0.15 or rows >= 1 << 20:
+        if time.perf_counter() - start > 0.15 or rows >= 1 << 15:
             break
         rows *= 2
     layers = deferred.install(lin)
@@ -369,6 +371,7 @@ def test_native_forward_lets_other_threads_run_during_its_op():
         if waker.is_alive():
             waker.join()
         deferred.uninstall(layers)
+        torch.set_num_threads(threads)
     # With the GIL held for the whole call the thread could run only in the
     # few milliseconds of Python around it (one switch interval, 5 ms).
     margin = 0.03
