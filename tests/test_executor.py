@@ -31,7 +31,7 @@ def _split(model, x, g, keep_graph=False, roots=None):
         grads = deferred.backward_input([out] if roots is None else roots, [g], [x],
                                         list(model.parameters()), pending, keep_graph)
         after_i = {n: p.grad is not None for n, p in model.named_parameters()}
-        deferred.run_weight(pending.entries)
+        deferred.run_weight(pending.entries, calls=pending.calls)
     finally:
         deferred.uninstall(layers)
     return grads, after_i
@@ -145,7 +145,7 @@ def test_kept_graph_frees_saved_tensors_with_its_roots(split):
         got = deferred.backward_input(roots, grads, [x], list(model.parameters()), pending,
                                       keep_graph=True)
         assert all(r() is not None for r in refs)
-        deferred.run_weight(pending.entries)
+        deferred.run_weight(pending.entries, calls=pending.calls)
         assert all(r() is not None for r in refs)  # W's work went, the roots not yet
     else:
         backward_full(roots, grads, keep_graph=True)

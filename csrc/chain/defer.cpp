@@ -45,6 +45,12 @@ namespace py = pybind11;
 // GIL held.
 thread_local PyObject* tls_entries = nullptr;
 thread_local PyObject* tls_edges = nullptr;
+// The native block of the same microbatch (a `Calls` held through tls_block):
+// calls with a native WeightLayer go there instead, so a call makes no
+// Python object (no Entry, kept tensor, gradient edge or node wrapper) that
+// W later frees, each a hand-over of the GIL on threads of one interpreter.
+thread_local PyObject* tls_block = nullptr;
+thread_local Calls* tls_calls = nullptr;
 
 // deferred.Entry and torch.autograd.graph.GradientEdge, set once
 // (configure_defer) and kept for the life of the process.
@@ -52,20 +58,55 @@ PyObject* entry_type = nullptr;
 PyTypeObject* edge_type = nullptr;
 Py_ssize_t edge_fields = 2;  // (node, output_nr), and None for any later field (ownership_token)
 
-void set_pending(const py::object& entries, const py::object& edges) {
+void set_pending(const py::object& entries, const py::object& edges, const py::object& block) {
   PyObject* old_entries = tls_entries;
   PyObject* old_edges = tls_edges;
+  PyObject* old_block = tls_block;
   if (entries.is_none()) {
-    tls_entries = tls_edges = nullptr;
+    tls_entries = tls_edges = tls_block = nullptr;
+    tls_calls = nullptr;
   } else {
     if (!PyList_CheckExact(entries.ptr()) || !PyList_CheckExact(edges.ptr())) {
       throw py::type_error("set_pending takes two lists, or None and None");
     }
+    Calls* calls = block.is_none() ? nullptr : block.cast<Calls*>();
     tls_entries = entries.inc_ref().ptr();
     tls_edges = edges.inc_ref().ptr();
+    tls_block = block.is_none() ? nullptr : block.inc_ref().ptr();
+    tls_calls = calls;
   }
   Py_XDECREF(old_entries);
   Py_XDECREF(old_edges);
+  Py_XDECREF(old_block);
+}
+
+// GradientEdge(node, nr) of `edge`: a namedtuple, made as tuple.__new__ makes a subclass's.
+py::object python_edge(const torch::autograd::Edge& edge) {
+  py::object node = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(edge.function));
+  py::object nr = py::int_(edge.input_nr);
+  py::object grad_edge = py::reinterpret_steal<py::object>(edge_type->tp_alloc(edge_type, edge_fields));
+  if (!grad_edge) throw py::error_already_set();
+  PyTuple_SET_ITEM(grad_edge.ptr(), 0, node.release().ptr());
+  PyTuple_SET_ITEM(grad_edge.ptr(), 1, nr.release().ptr());
+  for (Py_ssize_t i = 2; i < edge_fields; ++i) PyTuple_SET_ITEM(grad_edge.ptr(), i, py::none().release().ptr());
+  return grad_edge;
+}
+
+// A block's calls given their gradients (None: no gradient reached the
+// call's output, and it goes), in the order of its edges.
+void fill_block(Calls& block, const std::vector<std::optional<at::Tensor>>& grads) {
+  if (grads.size() != block.edges.size() || grads.size() != block.calls.size()) {
+    throw py::value_error("fill_block: one gradient per waiting call");
+  }
+  std::vector<Call> kept;
+  kept.reserve(block.calls.size());
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].has_value() || !grads[i]->defined()) continue;
+    block.calls[i].g = *grads[i];
+    kept.push_back(std::move(block.calls[i]));
+  }
+  block.calls = std::move(kept);
+  block.edges.clear();
 }
 
 std::optional<at::Tensor> tensor_or_none(const py::handle& h) {
@@ -83,6 +124,7 @@ struct Plan {
   std::vector<std::int64_t> ints;    // norms: normalized shape; Embedding: padding row, frequency flag
   std::optional<double> eps;
   py::object rule, targets, meta, layer, native;  // the Entry's fields but the call's own
+  std::shared_ptr<Layer> native_layer;            // `native` as W reads it; null: W in Python
 
   // The module still holds the planned parameters (one dict lookup each).
   bool current() const {
@@ -151,6 +193,7 @@ class DeferringForward {
     Plan p{kind, std::move(params_dict), std::move(names), std::move(params), {}, std::move(ints),
            eps, std::move(rule), std::move(targets), std::move(meta), std::move(layer), std::move(native)};
     for (const auto& d : detached) p.detached.push_back(tensor_or_none(d));
+    if (!p.native.is_none()) p.native_layer = p.native.cast<std::shared_ptr<Layer>>();
     if (kind == kEmbedding && (p.ints.size() != 2 || !p.detached[0])) {
       throw py::value_error("an Embedding plan needs its weight, padding row and frequency flag");
     }
@@ -191,15 +234,12 @@ class DeferringForward {
                                         p.ints, p.eps);
     }
     if (!out.requires_grad()) out.requires_grad_(true);  // nothing before it trains: a leaf of its own
-    const auto edge = torch::autograd::impl::gradient_edge(out);
-    py::object node = py::reinterpret_steal<py::object>(torch::autograd::functionToPyObject(edge.function));
-    py::object nr = py::int_(edge.input_nr);
-    // GradientEdge(node, nr): a namedtuple, made as tuple.__new__ makes a subclass's.
-    py::object grad_edge = py::reinterpret_steal<py::object>(edge_type->tp_alloc(edge_type, edge_fields));
-    if (!grad_edge) throw py::error_already_set();
-    PyTuple_SET_ITEM(grad_edge.ptr(), 0, node.release().ptr());
-    PyTuple_SET_ITEM(grad_edge.ptr(), 1, nr.release().ptr());
-    for (Py_ssize_t i = 2; i < edge_fields; ++i) PyTuple_SET_ITEM(grad_edge.ptr(), i, py::none().release().ptr());
+    if (tls_calls != nullptr && p.native_layer) {
+      tls_calls->edges.push_back(torch::autograd::impl::gradient_edge(out));
+      tls_calls->calls.push_back(Call{p.native_layer, std::move(kept), at::Tensor()});
+      return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
+    }
+    py::object grad_edge = python_edge(torch::autograd::impl::gradient_edge(out));
     py::object kept_py = py::reinterpret_steal<py::object>(THPVariable_Wrap(kept));
     py::tuple saved = py::make_tuple(kept_py);
     PyObject* argv[] = {p.rule.ptr(), p.targets.ptr(), saved.ptr(), p.meta.ptr(), Py_None,
@@ -297,19 +337,27 @@ struct StashedContext {
   PyObject* remove_ = nullptr;
 };
 
+using Blocks = std::vector<std::shared_ptr<Calls>>;
+
 py::object backward_input_native(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
                                  const py::list& params, const py::list& entries, const py::list& edges,
-                                 bool keep_graph);
+                                 const Blocks& blocks, bool keep_graph);
 
 // None where an edge's node is a Python autograd.Function's (the caller then
 // makes torch's own call); else (input gradients, reached parameters, entries).
 py::object backward_input(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
                           const py::list& params, const py::list& entries, const py::list& edges,
-                          bool keep_graph) {
+                          const Blocks& blocks, bool keep_graph) {
   if (roots.size() != grads.size()) throw py::value_error("backward_input: one gradient per root");
   if (entries.size() != edges.size()) throw py::value_error("backward_input: one edge per entry");
+  for (const auto& block : blocks) {
+    if (!block) throw py::type_error("backward_input: a block is None");
+    if (!block->edges.empty() && block->edges.size() != block->calls.size()) {
+      throw py::value_error("backward_input: a block's calls have gradients already");
+    }
+  }
   try {
-    return backward_input_native(roots, grads, inputs, params, entries, edges, keep_graph);
+    return backward_input_native(roots, grads, inputs, params, entries, edges, blocks, keep_graph);
   } catch (PythonNode&) {
     return py::none();  // a Python node among the edges: the Python call
   }
@@ -317,7 +365,7 @@ py::object backward_input(const py::tuple& roots, const py::tuple& grads, const 
 
 py::object backward_input_native(const py::tuple& roots, const py::tuple& grads, const py::list& inputs,
                                  const py::list& params, const py::list& entries, const py::list& edges,
-                                 bool keep_graph) {
+                                 const Blocks& blocks, bool keep_graph) {
   torch::autograd::edge_list root_edges;
   torch::autograd::variable_list root_grads;
   for (std::size_t i = 0; i < roots.size(); ++i) {
@@ -344,6 +392,12 @@ py::object backward_input_native(const py::tuple& roots, const py::tuple& grads,
     if (!e.is_valid()) continue;
     slot[i] = static_cast<std::int64_t>(outputs.size());
     outputs.push_back(std::move(e));
+  }
+  // Then the blocks' calls, each block's edges in order (all valid: made by the forward).
+  std::vector<std::size_t> block_first;
+  for (const auto& block : blocks) {
+    block_first.push_back(outputs.size());
+    outputs.insert(outputs.end(), block->edges.begin(), block->edges.end());
   }
   torch::autograd::variable_list got;
   {
@@ -375,6 +429,15 @@ py::object backward_input_native(const py::tuple& roots, const py::tuple& grads,
     if (PyObject_SetAttr(entry.ptr(), g_name, wrap_or_none(std::move(g)).ptr()) < 0) throw py::error_already_set();
     reached.append(entry);
   }
+  // Each block's calls get their gradients; calls no gradient reached go, as
+  // unreached entries do.
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    Calls& block = *blocks[b];
+    if (block.edges.empty()) continue;
+    std::vector<std::optional<at::Tensor>> block_grads(got.begin() + block_first[b],
+                                                       got.begin() + block_first[b] + block.edges.size());
+    fill_block(block, block_grads);
+  }
   return py::make_tuple(input_grads, param_grads, reached);
 }
 
@@ -397,8 +460,33 @@ void register_defer(py::module_& m) {
       },
       py::arg("entry"), py::arg("edge"),
       "The Entry class and GradientEdge type the deferring forwards build (once per process).");
-  m.def("set_pending", &set_pending, py::arg("entries"), py::arg("edges"),
-        "This thread's deferring forwards append to these lists (None, None: they run the Python path).");
+  m.def("set_pending", &set_pending, py::arg("entries"), py::arg("edges"), py::arg("block") = py::none(),
+        "This thread's deferring forwards append to these lists, and calls with a native WeightLayer "
+        "to `block` (a Calls) where given (None, None: they run the Python path).");
+  m.def(
+      "defer_call",
+      [](Calls& block, std::shared_ptr<Layer> layer, const at::Tensor& kept, const at::Tensor& out) {
+        if (!layer) throw py::type_error("defer_call: the layer is None");
+        if (!out.requires_grad()) throw py::value_error("defer_call: the output needs a gradient edge");
+        if (block.edges.size() != block.calls.size()) {
+          throw py::value_error("defer_call: the block's calls have gradients already");
+        }
+        block.edges.push_back(torch::autograd::impl::gradient_edge(out));
+        block.calls.push_back(Call{std::move(layer), kept, at::Tensor()});
+      },
+      py::arg("block"), py::arg("layer"), py::arg("kept"), py::arg("out"),
+      "Adds a call to a block, as the native deferring forward adds one (the Python forward's "
+      "calls of a layer with a native WeightLayer, so a block keeps a step's calls in order).");
+  m.def(
+      "block_edges",
+      [](const Calls& block) {
+        py::list out;
+        for (const auto& edge : block.edges) out.append(python_edge(edge));
+        return out;
+      },
+      py::arg("block"), "The gradient edges of a block's waiting calls (GradientEdges), in order.");
+  m.def("fill_block", &fill_block, py::arg("block"), py::arg("grads"),
+        "Gives a block's waiting calls their gradients (None: the call goes), in the order of block_edges.");
   py::class_<DeferringForward>(m, "DeferringForward")
       .def(py::init<py::object>(), py::arg("slow"))
       .def_property_readonly("slow", &DeferringForward::slow)
@@ -409,11 +497,12 @@ void register_defer(py::module_& m) {
       .def("clear_plan", &DeferringForward::clear_plan)
       .def("__call__", &DeferringForward::call);
   m.def("backward_input", &backward_input, py::arg("roots"), py::arg("grads"), py::arg("inputs"),
-        py::arg("params"), py::arg("entries"), py::arg("edges"), py::arg("keep_graph"),
+        py::arg("params"), py::arg("entries"), py::arg("edges"), py::arg("blocks"), py::arg("keep_graph"),
         "I of a deferring stage: one engine call from roots (tensors or GradientEdges) with their "
         "gradients; returns (gradients of inputs, [(index, gradient) of parameters autograd "
-        "reached], the entries whose output a gradient reached, each given it as .g), with the "
-        "GIL released while the engine runs; None where an edge's node is a Python Function's.");
+        "reached], the entries whose output a gradient reached, each given it as .g; the blocks' calls "
+        "get theirs, or go), with the GIL released while the engine runs; None where an edge's node is "
+        "a Python Function's.");
 }
 
 }  // namespace fastpipe

@@ -314,7 +314,21 @@ void register_wgrad(py::module_& m) {
         "W of deferred layers: the calls of `blocks`, then call i is (layers[i], kept[i], gs[i]); "
         "with the GIL released.");
   py::class_<Calls, std::shared_ptr<Calls>>(m, "Calls")
+      .def(py::init<>())
       .def("__len__", [](const Calls& c) { return c.calls.size(); })
+      .def_property_readonly(
+          "waiting", [](const Calls& c) { return c.edges.size(); },
+          "Calls whose output gradient I has not filled in yet.")
+      .def_property_readonly(
+          "grads",
+          [](const Calls& c) {
+            std::vector<std::optional<at::Tensor>> out;
+            for (const Call& call : c.calls) {
+              out.push_back(call.g.defined() ? std::optional<at::Tensor>(call.g) : std::nullopt);
+            }
+            return out;
+          },
+          "Each call's output gradient (None until I has run), in order.")
       .def(
           "scan",
           [](const Calls& c, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {

@@ -35,10 +35,14 @@ struct Call {
   at::Tensor g;
 };
 
-// A microbatch's calls made in C++ (a chain stage's I: `fastpipe._chain.Calls`):
-// Python holds one object for them, not an entry per call, and W reads them here.
+// A microbatch's calls made in C++ (`fastpipe._chain.Calls`: a chain stage's I,
+// or the deferring forwards of defer.cpp): Python holds one object for them,
+// not an entry per call, and W reads them here. `edges` are the outputs'
+// gradient edges of calls whose g I has not filled in yet (one per call, in
+// order, while any are left; empty once I has run or for a chain's calls).
 struct Calls {
   std::vector<Call> calls;
+  std::vector<torch::autograd::Edge> edges;
 };
 
 // Adds `weight_grads` to the module (called from chain.cpp's PYBIND11_MODULE).

@@ -158,7 +158,7 @@ def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None
             t.timed("input_backward",
                     lambda: deferred.backward_input(roots, grads, leaves, t.params, p), record)
         for t, p in zip(reversed(timed), reversed(pendings)):
-            t.timed("weight_backward", lambda: deferred.run_weight(p.entries), record)
+            t.timed("weight_backward", lambda: deferred.run_weight(p.entries, calls=p.calls), record)
     finally:
         for layers in installed:
             deferred.uninstall(layers)

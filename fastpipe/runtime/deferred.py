@@ -221,10 +221,10 @@ class Entry:
 @dataclass
 class Pending:
     """One microbatch's deferred layers: an entry per call, made by the
-    forward; ``backward_input`` fills in each entry's output gradient. A
-    chain stage's native I hands its calls over as ``calls`` instead
-    (``fastpipe._chain.Calls`` blocks: W reads them in C++, and Python makes
-    no entry per Linear)."""
+    forward; ``backward_input`` fills in each entry's output gradient. Calls
+    made in C++ come as ``calls`` instead (``fastpipe._chain.Calls`` blocks,
+    from the native deferring forwards or a chain stage's native I: W reads
+    them in C++, and Python makes no entry per call)."""
 
     entries: list[Entry] = field(default_factory=list)
     calls: list = field(default_factory=list)
@@ -234,6 +234,10 @@ class Pending:
     # hand back after W (received buffers): an entry reading it is cloned
     # before it waits.
     borrowed: tuple[tuple[int, int], ...] = ()
+
+    def __len__(self) -> int:
+        """The deferred calls: entries and the blocks' calls."""
+        return len(self.entries) + sum(map(len, self.calls))
 
     @property
     def kept_bytes(self) -> int:
@@ -284,7 +288,8 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
     None (nothing deferred): a plain backward. ``keep_graph`` as in
     ``_backward.backward_full``.
     """
-    if pending is None or not pending.entries:
+    blocks = [c for c in pending.calls if c.waiting] if pending is not None else []
+    if pending is None or not (pending.entries or blocks):
         backward_full(roots, grads, keep_graph)
         return [t.grad if t.requires_grad else None for t in inputs]
     wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
@@ -293,20 +298,25 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
     # The same call, its bookkeeping in C++ (csrc/chain/defer.cpp); None
     # there where an edge is a Python autograd.Function's.
     native = chain.backward_input(tuple(roots), filled(roots, grads), [inputs[i] for i in wanted],
-                                  trained, pending.entries, pending.edges, keep_graph) \
+                                  trained, pending.entries, pending.edges, blocks, keep_graph) \
         if chain is not None else None
     if native is not None:
         got, reached, pending.entries = native
-    else:
+    else:  # blocks exist only where the chain is built
+        block_edges = [chain.block_edges(b) for b in blocks]
         got = run_backward(tuple(roots), filled(roots, grads), keep_graph, False,
-                           tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges),
+                           tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges)
+                           + tuple(e for edges in block_edges for e in edges),
                            allow_unreachable=True, accumulate_grad=False)
         n = len(wanted)
         reached = [(i, g) for i, g in enumerate(got[n:n + len(trained)]) if g is not None]
-        entries = pending.entries
-        pending.entries = [e for e, g in zip(entries, got[n + len(trained):]) if g is not None]
-        for e, g in zip(entries, got[n + len(trained):]):
+        entries, at = pending.entries, n + len(trained) + len(pending.edges)
+        pending.entries = [e for e, g in zip(entries, got[n + len(trained):at]) if g is not None]
+        for e, g in zip(entries, got[n + len(trained):at]):
             e.g = g
+        for b, edges in zip(blocks, block_edges):
+            chain.fill_block(b, list(got[at:at + len(edges)]))
+            at += len(edges)
     out: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, got):
         out[i] = g
@@ -514,18 +524,30 @@ _FunctionBase = torch._C._FunctionBase  # a Python autograd.Function's node: no 
 
 @contextmanager
 def collecting(pending: Pending) -> Iterator[Pending]:
-    """Layers with a rule called on this thread inside defer into ``pending``."""
-    outer = getattr(_state, "pending", None)
+    """Layers with a rule called on this thread inside defer into ``pending``.
+
+    Where ``fastpipe._chain`` is built, the native deferring forwards put
+    the calls of layers with a native W into one ``Calls`` block of
+    ``pending.calls`` (no Python object per call: on threads of one
+    interpreter, each such object's free hands the GIL over); every other
+    call is an ``Entry``.
+    """
+    outer = getattr(_state, "pending", None), getattr(_state, "block", None)
     chain = native_chain()
-    _state.pending = pending
+    block = chain.Calls() if chain is not None else None
+    _state.pending, _state.block = pending, block
     if chain is not None:  # where the native deferring forwards append
-        chain.set_pending(pending.entries, pending.edges)
+        pending.calls.append(block)
+        chain.set_pending(pending.entries, pending.edges, block)
     try:
         yield pending
     finally:
-        _state.pending = outer
+        _state.pending, _state.block = outer
         if chain is not None:
-            chain.set_pending(*((outer.entries, outer.edges) if outer is not None else (None, None)))
+            if not len(block):
+                pending.calls.remove(block)
+            chain.set_pending(*((outer[0].entries, outer[0].edges, outer[1]) if outer[0] is not None
+                                else (None, None, None)))
 
 
 class _Forward:
@@ -626,6 +648,10 @@ class _Forward:
                 self.planned_fast = kind, names, ints, eps = rule._fast(module)
                 self.fast.set_plan(kind, module._parameters, names, list(params), list(detached),
                                    ints, eps, rule, targets, meta, self.layer, layer)
+        block = getattr(_state, "block", None)
+        if layer is not None and block is not None:  # with the native calls, in call order
+            native_chain().defer_call(block, layer, kept[0], out)
+            return out
         pending.entries.append(Entry(rule, targets, kept, meta, None, self.layer, layer))
         fn = out.grad_fn
         pending.edges.append(GradientEdge(fn, out.output_nr) if fn is not None and not isinstance(
