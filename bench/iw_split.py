@@ -65,7 +65,7 @@ def measure(build: Callable[[], nn.Module], shape: tuple[int, ...], repeats: int
             deferred.backward_input([y], [g.to(y.dtype)], [xi], params, pending)
             sync()
             t1 = time.perf_counter()
-            deferred.run_weight(pending.entries)
+            deferred.run_weight(pending.entries, calls=pending.calls)
             sync()
             i_times.append(t1 - t0)
             w_times.append(time.perf_counter() - t1)
