@@ -92,6 +92,16 @@ py::object python_edge(const torch::autograd::Edge& edge) {
   return grad_edge;
 }
 
+// A call appended to a block: its layer, what W keeps, and its output's
+// gradient edge, where I will capture the call's gradient.
+void add_call(Calls& block, std::shared_ptr<Layer> layer, at::Tensor kept, const at::Tensor& out) {
+  if (block.edges.size() != block.calls.size()) {
+    throw py::value_error("a block's calls have gradients already: no call can join it");
+  }
+  block.edges.push_back(torch::autograd::impl::gradient_edge(out));
+  block.calls.push_back(Call{std::move(layer), std::move(kept), at::Tensor()});
+}
+
 // A block's calls given their gradients (None: no gradient reached the
 // call's output, and it goes), in the order of its edges.
 void fill_block(Calls& block, const std::vector<std::optional<at::Tensor>>& grads) {
@@ -235,8 +245,7 @@ class DeferringForward {
     }
     if (!out.requires_grad()) out.requires_grad_(true);  // nothing before it trains: a leaf of its own
     if (tls_calls != nullptr && p.native_layer) {
-      tls_calls->edges.push_back(torch::autograd::impl::gradient_edge(out));
-      tls_calls->calls.push_back(Call{p.native_layer, std::move(kept), at::Tensor()});
+      add_call(*tls_calls, p.native_layer, std::move(kept), out);
       return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
     }
     py::object grad_edge = python_edge(torch::autograd::impl::gradient_edge(out));
@@ -468,11 +477,7 @@ void register_defer(py::module_& m) {
       [](Calls& block, std::shared_ptr<Layer> layer, const at::Tensor& kept, const at::Tensor& out) {
         if (!layer) throw py::type_error("defer_call: the layer is None");
         if (!out.requires_grad()) throw py::value_error("defer_call: the output needs a gradient edge");
-        if (block.edges.size() != block.calls.size()) {
-          throw py::value_error("defer_call: the block's calls have gradients already");
-        }
-        block.edges.push_back(torch::autograd::impl::gradient_edge(out));
-        block.calls.push_back(Call{std::move(layer), kept, at::Tensor()});
+        add_call(block, std::move(layer), kept, out);
       },
       py::arg("block"), py::arg("layer"), py::arg("kept"), py::arg("out"),
       "Adds a call to a block, as the native deferring forward adds one (the Python forward's "

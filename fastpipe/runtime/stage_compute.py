@@ -283,7 +283,9 @@ class StageCompute:
         key = (a.stage, a.microbatch)
         saved = self._grads_for(*key)
         del self._saved[key]
-        pending = self._input_grads(a, saved) or deferred.Pending()
+        pending = self._input_grads(a, saved)
+        if pending is None:
+            pending = deferred.Pending()
         self._hold(pending.grad_bytes)
         self._weights[key] = pending
 
