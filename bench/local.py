@@ -12,14 +12,14 @@ once. It shows what one GIL lets two threads overlap; it is not a bound (a
 pipeline can do better by running one rank's forward, which needs the GIL,
 beside the other's backward, which does not: 1F1B does).
 
-Rows marked ``+fused`` run with ``Pipe(fused_wgrad=True)``: each Linear's
-weight gradient accumulated by one GEMM into ``.grad``. That makes the work
-itself cheaper, so their efficiency is taken against a sequential baseline
-that does the same (a one-rank fused Pipe), while their torchgpipe/fastpipe
-column is plain throughput against the same torchgpipe run. fastpipe's
-zero-bubble schedules run in the order ``fastpipe.plan`` gives them for the
-measured stage costs (``bench.pipelining.order``; ``--built-in-order`` for
-the fixed one).
+fastpipe's B defers weight gradients by default (``Pipe(fused_wgrad=True)``:
+each Linear's accumulated by one GEMM into ``.grad``), cheaper work than the
+sequential baseline's; efficiencies stay against that baseline, so they
+compare throughput. Rows marked ``autograd-B`` (``--autograd-b``) run with
+``fused_wgrad=False``, B as autograd's backward. fastpipe's zero-bubble
+schedules run in the order ``fastpipe.plan`` gives them for the measured
+stage costs (``bench.pipelining.order``; ``--built-in-order`` for the fixed
+one).
 
 One intra-op thread means one in every thread: ``torch.set_num_threads(1)``
 reaches only the thread that calls it, and threads that torch did not start
@@ -30,7 +30,7 @@ same single thread per worker as fastpipe's ranks, which apply the caller's
 count on their lanes themselves.
 
     python -m bench local [--model gpt|mlp|both] [--workload compute|overhead|both]
-                          [--repeats N] [--fused-wgrad off|on|both]
+                          [--repeats N] [--autograd-b]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 
 from bench._runner import round_robin_medians, workload_parser
 from bench._workloads import Workload, selected
-from bench.pipelining import TWO_STAGES, balance, describe_orders, fused_sequential_step, order
+from bench.pipelining import TWO_STAGES, balance, describe_orders, order
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
@@ -98,10 +98,10 @@ def _two_threads_step(w: Workload):
     return step
 
 
-FUSED = " +fused"
+PLAIN = " autograd-B"
 
 
-def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str = "off",
+def run(w: Workload, repeats: int, warmup: int, schedules: list[str], autograd_b: bool = False,
         by_cost: bool = True) -> None:
     from fastpipe import Pipe
 
@@ -112,10 +112,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
     if theirs_step is not None:
         runners["torchgpipe"] = functools.partial(theirs_step, x, y)
     pipes = []
-    variants = {"off": [False], "on": [True], "both": [False, True]}[fused]
-    if True in variants:
-        pipe, runners["sequential" + FUSED] = fused_sequential_step(w)
-        pipes.append(pipe)
+    variants = [True, False] if autograd_b else [True]
     orders = {}
     for schedule in schedules:
         spr = 2 if schedule in TWO_STAGES else None
@@ -124,7 +121,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
         for f in variants:
             pipes.append(Pipe(w.build(), chunks=w.chunks, balance=bal, schedule=orders[schedule],
                               devices=["cpu", "cpu"], stages_per_rank=spr, fused_wgrad=f))
-            name = schedule + (FUSED if f else "")
+            name = schedule + ("" if f else PLAIN)
             runners[name] = functools.partial(pipes[-1].step, x, y, w.loss_fn)
     # In turns (a few steps of each, round after round), so machine drift
     # falls on the baseline, the peer and every schedule alike.
@@ -133,14 +130,10 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
         pipe.close()
     seq, theirs = times.pop("sequential"), times.pop("torchgpipe", None)
     both = times.pop("two threads")
-    seq_fused = times.pop("sequential" + FUSED, None)
     rows = times
     ideal = seq / 2
     print(f"\n{w.name}, local mode: {w.describe()}, 2 cpu devices x 1 thread; "
           f"sequential fwd+bwd {seq * 1e3:.1f} ms")
-    if seq_fused is not None:
-        print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
-              f"the baseline of the{FUSED} rows' efficiency")
     print(f"  two threads, no pipeline (the halves at once) {both * 1e3:.1f} ms, "
           f"efficiency {ideal / both:.2f}")
     if theirs is not None:
@@ -151,8 +144,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], fused: str
     print(f"  {'fastpipe schedule':<18}{'ms':>9}{'efficiency':>12}{'torchgpipe/fastpipe':>21}")
     for schedule, ours in rows.items():
         ratio = f"{theirs / ours:>21.2f}" if theirs is not None else ""
-        base = seq_fused if schedule.endswith(FUSED) else seq
-        print(f"  {schedule:<18}{ours * 1e3:>9.1f}{base / 2 / ours:>12.2f}{ratio}")
+        print(f"  {schedule:<18}{ours * 1e3:>9.1f}{ideal / ours:>12.2f}{ratio}")
 
 
 def _single_threaded(argv: list[str]) -> None:
@@ -167,10 +159,10 @@ def main(argv=None) -> int:
         argv = sys.argv[2:] if sys.argv[1:2] == ["local"] else sys.argv[1:]
     _single_threaded(argv)
     parser = workload_parser("python -m bench local", __doc__, SCHEDULES)
-    parser.add_argument("--fused-wgrad", choices=["off", "on", "both"], default="both",
-                        help="fastpipe rows without, with, or both without and with fused_wgrad")
+    parser.add_argument("--autograd-b", action="store_true",
+                        help="also fastpipe rows with Pipe(fused_wgrad=False): B as autograd's backward")
     args = parser.parse_args(argv)
     for w in selected(args):
-        run(w, args.repeats, args.warmup, args.schedules.split(","), args.fused_wgrad,
+        run(w, args.repeats, args.warmup, args.schedules.split(","), args.autograd_b,
             by_cost=not args.built_in_order)
     return 0

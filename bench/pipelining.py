@@ -16,11 +16,12 @@ waits. The ceiling is each rank running its share of the layers alone, both
 at once, with no messages: the most any pipeline on these ranks can reach;
 "of ceiling" is its step time over fastpipe's.
 
-With ``--fused-wgrad`` fastpipe also runs with ``Pipe(fused_wgrad=True)``
-(each Linear's weight gradient accumulated by one GEMM into ``.grad``): its
-"fused" column's efficiency is taken against a sequential baseline that
-does the same (the model as one stage of a one-rank fused Pipe), since the
-work itself is cheaper; torch/fused is plain throughput.
+fastpipe's B defers weight gradients by default (``Pipe(fused_wgrad=True)``:
+each Linear's accumulated by one GEMM into ``.grad``), which makes the work
+itself cheaper than the sequential baseline's; efficiencies stay against
+that baseline, so they compare throughput. With ``--autograd-b`` fastpipe
+also runs with ``fused_wgrad=False`` (B as autograd's backward): the
+"autograd-B" columns.
 
 The workloads (``bench._workloads``): a GPT first, then the MLP stack, each
 compute-bound and overhead-bound; both libraries get the same layers per
@@ -32,7 +33,7 @@ simulates faster than the built-in order; the report says which, and times
 the built-in order beside it); torch runs its own.
 
     python -m bench pipelining [--model gpt|mlp|both] [--workload compute|overhead|both]
-                               [--repeats N] [--fused-wgrad]
+                               [--repeats N] [--autograd-b]
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def _alone_step(w: Workload, rank, bal):
     return step
 
 
-def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup, repeats, fused=False):
+def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup, repeats,
+               autograd_b=False):
     """Builds every runner on this rank (the sequential baselines on rank 0
     only, the ceiling, every schedule's fastpipe variants and torch's peer)
     and times them all in one round robin: every figure of the report, the
@@ -168,8 +170,8 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
             spr = 2 if schedule in TWO_STAGES else None
             variants = {"ours": dict(overlap=False, shm=None), "gloo": dict(overlap=False, shm=False),
                         "lanes": dict(overlap=True, shm=None)}
-            if fused:
-                variants["fused"] = dict(fused_wgrad=True)
+            if autograd_b:
+                variants["autograd-B"] = dict(fused_wgrad=False)
             for variant, kwargs in variants.items():
                 pipes.append(Pipe(w.build(), chunks=chunks, schedule=orders[schedule], balance=bal,
                                   stages_per_rank=spr, **kwargs))
@@ -183,16 +185,6 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
                     _torch_runner(schedule, w.build(), rank, world, chunks, loss_fn, bal), x, y)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 unavailable[schedule, "theirs"] = f"n/a ({type(exc).__name__})"
-        if fused:
-            # A one-rank Pipe needs a one-rank group here; every rank makes it,
-            # after the world's Pipes: made before them, the world Pipes' own
-            # new_group calls hung in gloo's rendezvous (torch 2.13).
-            alone_group = dist.new_group([0])
-            if rank == 0:
-                pipe, runners["sequential fused"] = fused_sequential_step(w, group=alone_group)
-                pipes.append(pipe)
-            else:
-                runners["sequential fused"] = lambda: None
         # In turns (three steps each per round), so a slow spell of the
         # machine falls on every row and on the baselines alike.
         times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
@@ -203,29 +195,14 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
     queue.put((rank, {**times, **unavailable}))
 
 
-def fused_sequential_step(w: Workload, group=None):
-    """``sequential_step`` with fused weight gradients: the model as the one
-    stage of a one-rank Pipe (local mode, or over ``group`` of one rank where
-    a process group is initialized). Returns the Pipe (to close) and the step. A plain one-rank Pipe measured
-    against ``sequential_step``: the same time on the wide model, 2-5 %
-    slower on the narrow one (its executor's own work), which flatters the
-    narrow fused rows' efficiency by as much."""
-    from fastpipe import Pipe
-
-    where = {"group": group} if group is not None else {"devices": ["cpu"]}
-    pipe = Pipe(w.build(), chunks=w.chunks, schedule="gpipe", fused_wgrad=True, **where)
-    x, y = w.data()
-    return pipe, functools.partial(pipe.step, x, y, w.loss_fn)
-
-
 def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
-        fused: bool = False, by_cost: bool = True) -> None:
+        autograd_b: bool = False, by_cost: bool = True) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     balances = {s: balance(w, s, ranks) for s in schedules}
     orders = {s: order(w, s, balances[s], ranks, by_cost) for s in schedules}
     ceiling = balance(w, "1f1b", ranks)  # one stage per rank
-    times = spawn(ranks, _rank_main, w.name, balances, orders, ceiling, warmup, repeats, fused)[0]
-    seq, alone, seq_fused = times["sequential"], times["alone"], times.get("sequential fused")
+    times = spawn(ranks, _rank_main, w.name, balances, orders, ceiling, warmup, repeats, autograd_b)[0]
+    seq, alone = times["sequential"], times["alone"]
     ideal = seq / ranks
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; "
           f"sequential fwd+bwd {seq * 1e3:.1f} ms")
@@ -234,21 +211,18 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
     print("  layers per stage (both libraries): " + ", ".join(
         f"{s} {balances[s]}" for s in schedules))
     print(describe_orders(orders))
-    if seq_fused is not None:
-        print(f"  sequential with fused weight gradients (one-rank Pipe) {seq_fused * 1e3:.1f} ms: "
-              "the baseline of 'eff fused'")
-    fused_head = f"{'fused ms':>10}{'torch/fused':>13}{'eff fused':>11}" if fused else ""
+    plain_head = f"{'autograd-B ms':>15}{'torch/autograd-B':>18}{'eff autograd-B':>16}" if autograd_b else ""
     print(f"  {'schedule':<18}{'fastpipe ms':>12}{'gloo ms':>9}{'lanes ms':>10}{'torch ms':>10}"
           f"{'torch/fastpipe':>16}{'gloo/default':>14}{'lanes/default':>15}{'eff fastpipe':>14}"
-          f"{'eff torch':>11}{'of ceiling':>12}{fused_head}")
+          f"{'eff torch':>11}{'of ceiling':>12}{plain_head}")
     for schedule in schedules:
         ours, gloo, lanes = (times[schedule, v] for v in ("ours", "gloo", "lanes"))
-        theirs, ours_fused = times[schedule, "theirs"], times.get((schedule, "fused"))
+        theirs, plain = times[schedule, "theirs"], times.get((schedule, "autograd-B"))
         head = f"  {schedule:<18}{ours * 1e3:>12.1f}{gloo * 1e3:>9.1f}{lanes * 1e3:>10.1f}"
         tail = ""
-        if ours_fused is not None:
-            vs = f"{theirs / ours_fused:>13.2f}" if not isinstance(theirs, str) else f"{'':>13}"
-            tail = f"{ours_fused * 1e3:>10.1f}{vs}{seq_fused / ranks / ours_fused:>11.2f}"
+        if plain is not None:
+            vs = f"{theirs / plain:>18.2f}" if not isinstance(theirs, str) else f"{'':>18}"
+            tail = f"{plain * 1e3:>15.1f}{vs}{ideal / plain:>16.2f}"
         if isinstance(theirs, str):
             peer = f"{theirs:>10}{'':>16}"
             peer_eff = f"{'':>11}"
@@ -265,10 +239,10 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
 
 def main(argv=None) -> int:
     parser = workload_parser("python -m bench pipelining", __doc__, SCHEDULES)
-    parser.add_argument("--fused-wgrad", action="store_true",
-                        help="also run fastpipe with Pipe(fused_wgrad=True)")
+    parser.add_argument("--autograd-b", action="store_true",
+                        help="also run fastpipe with Pipe(fused_wgrad=False): B as autograd's backward")
     args = parser.parse_args(argv)
     for w in selected(args):
-        run(w, args.repeats, args.warmup, args.schedules.split(","), fused=args.fused_wgrad,
+        run(w, args.repeats, args.warmup, args.schedules.split(","), autograd_b=args.autograd_b,
             by_cost=not args.built_in_order)
     return 0

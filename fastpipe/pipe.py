@@ -89,9 +89,12 @@ class Pipe(nn.Module):
         grad_wire_dtype: the same for the gradients sent back.
         plan: a ``fastpipe.plan(...)`` result whose chunks, schedule,
             balance, stages_per_rank and checkpoint mode are used.
-        fused_wgrad: B too runs weight gradients as deferred work
-            (``fastpipe.runtime.deferred``), each Linear's added into
-            ``.grad`` with one GEMM. Skips hooks on AccumulateGrad nodes.
+        fused_wgrad: B too defers weight gradients as zero-bubble W does
+            (``fastpipe.runtime.deferred``; default): each Linear's added
+            into ``.grad`` by one GEMM, gathered over microbatches while
+            that holds less than the weight's bytes; cheaper than
+            autograd's B, rounded as the gathered sum (autograd's with
+            ``FASTPIPE_CHAIN_GATHER=0``). False: B is autograd's backward.
         shm: distributed mode on one host: messages through shared-memory
             rings instead of gloo. ``None`` (default): when the group is
             gloo, the devices CPUs, every rank on this host and ``overlap``
@@ -123,7 +126,7 @@ class Pipe(nn.Module):
         wire_dtype: torch.dtype | None = None,
         grad_wire_dtype: torch.dtype | None = None,
         plan=None,
-        fused_wgrad: bool = False,
+        fused_wgrad: bool = True,
         shm: bool | None = None,
         free_remote: bool = False,
     ) -> None:

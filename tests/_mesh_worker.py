@@ -40,7 +40,7 @@ def _pipe(case: dict, model: nn.Sequential, mesh=None):
 
     return Pipe(model, chunks=case["chunks"], schedule=case["schedule"], mesh=mesh,
                 stages_per_rank=SPR.get(case["schedule"]), timeout=60,
-                shm=case.get("shm", False), fused_wgrad=case.get("fused", False))
+                shm=case.get("shm", False), fused_wgrad=case.get("fused", True))
 
 
 def _shard(batch, mesh):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import weakref
 
 import pytest
 import torch
@@ -732,6 +733,64 @@ def test_a_registered_rule_defers_a_users_layer(monkeypatch):
     ref(x.detach().requires_grad_()).sum().backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_forward_patched_on_the_class_is_what_runs(monkeypatch):
+    """A forward patched on a rule's class since registration (a profiler, a
+    quantization library, a test) is what runs: the layer keeps autograd."""
+    real = nn.Linear.forward
+    seen = []
+    layer = nn.Linear(3, 2)
+    with monkeypatch.context() as m:
+        m.setattr(nn.Linear, "forward", lambda self, x: seen.append(1) or real(self, x))
+        assert deferred.rule_for(nn.Linear) is None
+        assert deferred.rule_for(torch.nn.modules.linear.NonDynamicallyQuantizableLinear) is None
+        assert deferred.install(layer) == []
+        pending = deferred.Pending()
+        with deferred.collecting(pending):
+            layer(torch.randn(4, 3))
+        assert seen == [1] and len(pending) == 0
+    assert isinstance(deferred.rule_for(nn.Linear), deferred.LinearRule)
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("name", ["linear", "embedding"])
+def test_an_output_whose_input_wants_no_gradient_is_not_kept_alive(name, path, monkeypatch):
+    """A deferring layer's output where the input wants no gradient (an
+    Embedding's ids, a stage's first input) is no leaf, which its
+    AccumulateGrad node would hold until I: it goes when dropped, as
+    autograd's would, and I still hands W its gradient."""
+    if path == "native" and deferred.native_chain() is None:
+        pytest.skip("fastpipe._chain is not built")
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double() if name == "linear" else nn.Embedding(7, 3).double()
+    ref = copy.deepcopy(layer)
+    if path == "python":
+        monkeypatch.setattr(deferred, "native_chain", lambda: None)
+    xs = [torch.randn(5, 4, dtype=torch.float64) if name == "linear" else torch.randint(0, 7, (5,))
+          for _ in range(3)]
+    layers = deferred.install(layer)
+    entries, blocks = [], []
+    try:
+        for x in xs:  # the first call makes the plan, the others run natively where built
+            pending = deferred.Pending()
+            with deferred.collecting(pending):
+                out = layer(x)
+            assert out.grad_fn is not None
+            loss = out.sum()  # saves nothing of out
+            alive = weakref.ref(out)
+            del out
+            assert alive() is None
+            deferred.backward_input([loss], [None], [], list(layer.parameters()), pending)
+            entries += pending.entries
+            blocks += pending.calls
+        deferred.run_weight(entries, fuse=False, calls=blocks)
+    finally:
+        deferred.uninstall(layers)
+    for x in xs:
+        ref(x).sum().backward()
+    for p, q in zip(layer.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
 def test_registration_refuses_bad_arguments():

@@ -271,6 +271,8 @@ class _CopyTransport:
         transport = self
 
         class Pending:
+            holds_buffer = False
+
             def wait(self):
                 transport.on_recv(key)
                 shape = transport.sent[("F", 1, key[2])][0].shape
@@ -285,7 +287,8 @@ class _CopyTransport:
         pass
 
 
-def test_stage_output_is_freed_once_sent():
+@pytest.mark.parametrize("fused", [True, False])
+def test_stage_output_is_freed_once_sent(fused):
     import weakref
 
     from fastpipe.runtime.executor import RankExecutor, Stage
@@ -302,7 +305,7 @@ def test_stage_output_is_freed_once_sent():
     transport = _CopyTransport(lambda key: alive_at_backward.append(outputs[key[2]]() is not None))
     stage = Stage(0, nn.Sequential(layer), torch.device("cpu"))
     schedule = lower(build("gpipe", 2, 2))
-    ex = RankExecutor(0, schedule, {0: stage}, transport)
+    ex = RankExecutor(0, schedule, {0: stage}, transport, fused_wgrad=fused)
     inputs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
     ex.run(inputs, None, None, train=True)
     assert alive_at_backward == [False, False]

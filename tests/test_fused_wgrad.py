@@ -1,4 +1,4 @@
-"""fused_wgrad: B's weight gradients deferred too, each Linear's one GEMM into .grad.
+"""fused_wgrad (the default): B's weight gradients deferred too, each Linear's one GEMM into .grad.
 
 Every schedule must still reproduce the sequential gradients, whatever mix of
 layers a stage holds; layers the fast path cannot take (hooks, a weight used
@@ -140,6 +140,46 @@ def test_a_weight_with_a_tensor_hook_keeps_autograd_path(count_native):
     assert calls  # the hook ran: the stage holding it took the plain backward
     stage0 = {id(p) for p in mixed()[0].parameters()}
     assert not any(id(weight) in stage0 for weight, _ in count_native)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_hooks_on_an_accumulate_grad_node_keep_the_stages_autograd_backward(schedule, count_native):
+    """DDP-style hooks on a parameter's AccumulateGrad node run only where
+    autograd accumulates: the stage holding it keeps autograd's backward
+    (all of it in I under a split schedule); the other stage defers."""
+    torch.manual_seed(5)
+    fired, models, nodes = [], [], []
+
+    def model_fn():
+        m = mixed()
+        node = m[0].weight.expand_as(m[0].weight).grad_fn.next_functions[0][0]
+        n = len(models)
+        node.register_hook(lambda *args: fired.append(n))
+        models.append(m)
+        nodes.append(node)  # the node lives while something holds it, as DDP holds its own
+        return m
+
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    _check(model_fn, x, y, schedule)
+    assert fired.count(1) == 2 * 4  # the pipe's model: 2 steps of 4 microbatches
+    assert count_native and not any(w is models[1][0].weight for w, _ in count_native)
+
+
+def test_fused_wgrad_is_the_default_and_false_keeps_autograds_backward(count_native):
+    torch.manual_seed(7)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    model = mixed()
+    pipe = Pipe(model, chunks=4, schedule="1f1b", devices=["cpu", "cpu"])
+    plain = Pipe(mixed(), chunks=4, schedule="1f1b", devices=["cpu", "cpu"], fused_wgrad=False)
+    try:
+        assert pipe.fused_wgrad and not plain.fused_wgrad
+        plain.step(x, y, F.mse_loss)
+        assert not count_native
+        pipe.step(x, y, F.mse_loss)
+        assert count_native
+    finally:
+        pipe.close()
+        plain.close()
 
 
 def test_bfloat16_takes_torch_ops(count_native):

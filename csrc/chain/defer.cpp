@@ -131,6 +131,7 @@ struct Plan {
   std::vector<py::str> names;        // the rule's parameters, in its order
   std::vector<py::object> params;    // what params_dict held under them when planned
   std::vector<std::optional<at::Tensor>> detached;
+  std::vector<std::optional<at::Tensor>> aliases;  // the op's parameters where its input wants no gradient
   std::vector<std::int64_t> ints;    // norms: normalized shape; Embedding: padding row, frequency flag
   std::optional<double> eps;
   py::object rule, targets, meta, layer, native;  // the Entry's fields but the call's own
@@ -193,16 +194,18 @@ class DeferringForward {
   const py::object& slow() const { return slow_; }
 
   void set_plan(std::int64_t kind, py::dict params_dict, std::vector<py::str> names,
-                std::vector<py::object> params, const py::list& detached,
+                std::vector<py::object> params, const py::list& detached, const py::list& aliases,
                 std::vector<std::int64_t> ints, std::optional<double> eps, py::object rule,
                 py::object targets, py::object meta, py::object layer, py::object native) {
     if (kind < kLinear || kind > kConv1D) throw py::value_error("unknown deferring-forward kind");
-    if (names.size() != params.size() || names.size() != detached.size() || names.empty()) {
-      throw py::value_error("a plan needs one name, parameter and detached tensor per parameter");
+    if (names.size() != params.size() || names.size() != detached.size() || names.size() != aliases.size() ||
+        names.empty()) {
+      throw py::value_error("a plan needs one name, parameter, detached tensor and alias per parameter");
     }
-    Plan p{kind, std::move(params_dict), std::move(names), std::move(params), {}, std::move(ints),
+    Plan p{kind, std::move(params_dict), std::move(names), std::move(params), {}, {}, std::move(ints),
            eps, std::move(rule), std::move(targets), std::move(meta), std::move(layer), std::move(native)};
     for (const auto& d : detached) p.detached.push_back(tensor_or_none(d));
+    for (const auto& a : aliases) p.aliases.push_back(tensor_or_none(a));
     if (!p.native.is_none()) p.native_layer = p.native.cast<std::shared_ptr<Layer>>();
     if (kind == kEmbedding && (p.ints.size() != 2 || !p.detached[0])) {
       throw py::value_error("an Embedding plan needs its weight, padding row and frequency flag");
@@ -238,12 +241,14 @@ class DeferringForward {
     const std::optional<at::Tensor> none;
     at::Tensor out;
     at::Tensor kept;
+    // An input that wants no gradient: the aliases that want one (the
+    // Python _Forward says why).
+    const auto& params = x.requires_grad() ? p.detached : p.aliases;
     {
       py::gil_scoped_release nogil;
-      std::tie(out, kept) = deferred_op(p.kind, x, p.detached[0], p.detached.size() > 1 ? p.detached[1] : none,
-                                        p.ints, p.eps);
+      std::tie(out, kept) = deferred_op(p.kind, x, params[0], params.size() > 1 ? params[1] : none, p.ints, p.eps);
     }
-    if (!out.requires_grad()) out.requires_grad_(true);  // nothing before it trains: a leaf of its own
+    if (!out.requires_grad()) out.requires_grad_(true);  // no trained parameter: a leaf of its own
     if (tls_calls != nullptr && p.native_layer) {
       add_call(*tls_calls, p.native_layer, std::move(kept), out);
       return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
@@ -497,7 +502,7 @@ void register_defer(py::module_& m) {
       .def_property_readonly("slow", &DeferringForward::slow)
       .def_property_readonly("planned", &DeferringForward::planned)
       .def("set_plan", &DeferringForward::set_plan, py::arg("kind"), py::arg("params_dict"), py::arg("names"),
-           py::arg("params"), py::arg("detached"), py::arg("ints"), py::arg("eps"), py::arg("rule"),
+           py::arg("params"), py::arg("detached"), py::arg("aliases"), py::arg("ints"), py::arg("eps"), py::arg("rule"),
            py::arg("targets"), py::arg("meta"), py::arg("layer"), py::arg("native"))
       .def("clear_plan", &DeferringForward::clear_plan)
       .def("__call__", &DeferringForward::call);

@@ -37,7 +37,7 @@ from torch import nn
 
 from fastpipe._ext import native_chain
 from fastpipe.runtime import deferred
-from fastpipe.runtime.eager_checks import global_hooks, graph_modes, module_hooked, originals, param_hooked, patched
+from fastpipe.runtime.eager_checks import accumulator_hooked, global_hooks, graph_modes, module_hooked, originals, param_hooked, patched
 
 __all__ = ["Chain"]
 
@@ -189,8 +189,7 @@ class Chain:
             if g is not None and (g.dtype != dtype or not g.is_cpu or g.shape != p.shape
                                   or g.layout != torch.strided or g.requires_grad):
                 return False
-        hooks = native_chain()
-        if hooks is not None and hooks.accumulator_hooked(present):
+        if accumulator_hooked(present):
             return False
         self._work = {i: deferred.linear_work(m) for i, (k, m) in enumerate(self.ops) if k == _LINEAR}
         if self._program is not None:

@@ -130,7 +130,10 @@ class WeightRule:
     _fast = None
 
 
-_RULES: dict[type, WeightRule] = {}
+# Each registered type with its rule and its class ``forward`` then: a
+# forward patched on the class since (a test, a profiler, a quantization
+# library) is what must run, so the type no longer defers.
+_RULES: dict[type, tuple[WeightRule, Callable | None]] = {}
 
 
 def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
@@ -149,7 +152,7 @@ def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
         raise TypeError(f"layer_type must be an nn.Module subclass, got {layer_type!r}")
     if not isinstance(rule, WeightRule):
         raise TypeError(f"rule must be a fastpipe WeightRule, got {type(rule).__name__}")
-    _RULES[layer_type] = rule
+    _RULES[layer_type] = rule, getattr(layer_type, "forward", None)
     _RECOGNISED.clear()
 
 
@@ -160,7 +163,7 @@ def register_weight_rule(layer_type: type, rule: WeightRule) -> None:
 # called or wherever it lives, while any edit to it (another formula, a cast
 # moved) makes it a stranger that keeps the plain backward.
 _BY_CODE: dict[tuple, WeightRule] = {}
-_RECOGNISED: dict[type, WeightRule | None] = {}  # per class, once
+_RECOGNISED: dict[type, tuple[Callable | None, WeightRule | None]] = {}  # per class and forward
 
 
 def _code_key(fn: Callable) -> tuple | None:
@@ -177,25 +180,23 @@ def _register_by_code(reference: Callable, rule: WeightRule) -> None:
 
 
 def rule_for(layer_type: type) -> WeightRule | None:
-    """The rule deferring layers of ``layer_type``: registered for the exact
-    type; else registered for a base class whose ``forward`` it inherits
-    unchanged (a Linear subclass that only initialises differently, torch's
-    ``NonDynamicallyQuantizableLinear``); else recognised by the class
-    ``forward``'s code. None: the plain backward."""
-    rule = _RULES.get(layer_type)
-    if rule is not None:
-        return rule
-    try:
-        return _RECOGNISED[layer_type]
-    except KeyError:
-        forward = getattr(layer_type, "forward", None)
-        found = next((_RULES[base] for base in layer_type.__mro__[1:]
-                      if base in _RULES and getattr(base, "forward", None) is forward), None)
-        if found is None:
-            key = _code_key(forward)
-            found = _BY_CODE.get(key) if key is not None else None
-        _RECOGNISED[layer_type] = found
-        return found
+    """The rule deferring layers of ``layer_type``: registered for the type
+    or a base class whose ``forward`` it inherits unchanged (a Linear
+    subclass that only initialises differently, torch's
+    ``NonDynamicallyQuantizableLinear``), that forward still the one
+    registered; else recognised by the class ``forward``'s code. None: the
+    plain backward."""
+    forward = getattr(layer_type, "forward", None)
+    known = _RECOGNISED.get(layer_type)
+    if known is not None and known[0] is forward:
+        return known[1]
+    found = next((_RULES[base][0] for base in layer_type.__mro__
+                  if base in _RULES and _RULES[base][1] is forward), None)
+    if found is None:
+        key = _code_key(forward)
+        found = _BY_CODE.get(key) if key is not None else None
+    _RECOGNISED[layer_type] = forward, found
+    return found
 
 
 # --- the entries W runs ---------------------------------------------------------
@@ -259,7 +260,7 @@ def linear_work(module: nn.Linear) -> tuple:
     ``fastpipe._chain`` is not built). Made once per step by a chain stage."""
     targets = tuple(p if p is not None and p.requires_grad else None
                     for p in (module.weight, module.bias))
-    rule, chain = _RULES[nn.Linear], native_chain()
+    rule, chain = _RULES[nn.Linear][0], native_chain()
     return rule, targets, rule.native(targets, None, chain) if chain is not None else None
 
 
@@ -570,7 +571,8 @@ class _Forward:
         self.plain = type(module).forward.__get__(module)
         self.layer = id(module)
         # [params, targets, detached params or None where the call cannot
-        # defer, the native WeightLayer (_UNSET until the first call makes it)]
+        # defer, the native WeightLayer (_UNSET until the first call makes it),
+        # the trained ones' aliases that want a gradient (``_prepare``)]
         self.plan: list | None = None
         self.planned_fast = None  # rule._fast(module) when the native plan was set
         # The native deferring forward (fastpipe._chain.DeferringForward)
@@ -604,7 +606,7 @@ class _Forward:
             self.reset()
 
     def _holds(self, plan: list) -> bool:
-        params, targets, detached, _ = plan
+        params, targets, detached, _, _ = plan
         if detached is None:  # the call did not defer: cheap to decide again
             return False
         module, rule = self.module, self.rule
@@ -635,11 +637,12 @@ class _Forward:
         plan = self.plan
         if plan is None or len(plan[0]) != len(params) or not all(map(operator.is_, params, plan[0])):
             plan = self.plan = self._prepare(params)
-        _, targets, detached, layer = plan
+        _, targets, detached, layer, aliases = plan
         if detached is None:
             return self.plain(x)
-        out, kept, meta = rule.forward(module, x, detached)
-        if not out.requires_grad:  # nothing before it wants a gradient: a leaf of its own
+        out, kept, meta = rule.forward(module, x, detached if getattr(x, "requires_grad", False)
+                                       else aliases)
+        if not out.requires_grad:  # a rule that left the parameters out: a leaf of its own
             out.requires_grad_()
         if layer is _UNSET:  # what W needs of this layer beside each call's tensors
             chain = native_chain()
@@ -647,7 +650,7 @@ class _Forward:
             if self.fast is not None:  # later calls with these parameters run natively
                 self.planned_fast = kind, names, ints, eps = rule._fast(module)
                 self.fast.set_plan(kind, module._parameters, names, list(params), list(detached),
-                                   ints, eps, rule, targets, meta, self.layer, layer)
+                                   list(aliases), ints, eps, rule, targets, meta, self.layer, layer)
         block = getattr(_state, "block", None)
         if layer is not None and block is not None:  # with the native calls, in call order
             native_chain().defer_call(block, layer, kept[0], out)
@@ -667,7 +670,15 @@ class _Forward:
         ok = any(t is not None for t in targets) and self.rule.accepts(self.module) and not any(
             param_hooked(p) or not p.is_leaf for p in targets if p is not None)
         detached = tuple(p.detach() if p is not None else None for p in params) if ok else None
-        return [params, targets, detached, _UNSET]
+        # Where the input wants no gradient (the ids of an Embedding, a
+        # stage's first input), the op runs on aliases that want one: its
+        # output then has a node of the op's own, which saves what the op's
+        # backward would (nothing more: the node never runs, I asks only for
+        # the gradient at it), where a leaf output would be held by its
+        # AccumulateGrad node, whatever is saved, until I.
+        aliases = tuple(d.detach().requires_grad_() if t is not None else d
+                        for d, t in zip(detached, targets)) if ok else None
+        return [params, targets, detached, _UNSET, aliases]
 
 
 _configured: list[ModuleType] = []

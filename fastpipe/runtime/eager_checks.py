@@ -13,7 +13,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-__all__ = ["global_hooks", "graph_modes", "module_hooked", "originals", "param_hooked", "patched"]
+from fastpipe._ext import native_chain
+
+__all__ = ["accumulator_hooked", "global_hooks", "graph_modes", "module_hooked", "originals", "param_hooked", "patched"]
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -46,6 +48,15 @@ def module_hooked(m: nn.Module) -> bool:
 def param_hooked(p: torch.Tensor) -> bool:
     """``p`` has a tensor hook or a post-accumulate-grad hook."""
     return bool(p._backward_hooks) or p._post_accumulate_grad_hooks is not None
+
+
+def accumulator_hooked(params: list[torch.Tensor]) -> bool:
+    """The live AccumulateGrad node of one of ``params`` carries hooks (as
+    DDP-style ``p.expand_as(p).grad_fn.next_functions[0][0].register_hook``
+    puts there): only autograd's own accumulation runs them. Python cannot
+    list a node's hooks; without ``fastpipe._chain`` the answer is False."""
+    chain = native_chain()
+    return chain is not None and chain.accumulator_hooked(params)
 
 
 def graph_modes() -> bool:

@@ -41,6 +41,7 @@ from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.chain import Chain
 from fastpipe.runtime.losses import known_loss
 from fastpipe.runtime.checkpoint import stochastic
+from fastpipe.runtime.eager_checks import accumulator_hooked
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.stage_compute import Saved, StageCompute
 from fastpipe.runtime.threads import Autocast, autocast
@@ -123,7 +124,7 @@ def _tables(actions: Sequence[Action]) -> tuple[dict, dict, set]:
     list: after the action at index i, the buffers of which (stage, mb) go
     back (``release_at``), and which stage ran its step's last backward
     (``grads_done_at``); the (stage, mb) of each B whose very next action
-    sends its input gradient (a chain stage sends it between I and W)."""
+    sends its input gradient (a stage whose B defers W sends it between I and W)."""
     hit = _TABLES.get(id(actions))
     if hit is not None and hit[0] is actions:
         return hit[1]
@@ -195,7 +196,7 @@ class RankExecutor(StageCompute):
         checkpoint: str = "never",
         rng_lock: threading.Lock | None = None,
         keep_graphs: bool = False,
-        fused_wgrad: bool = False,
+        fused_wgrad: bool = True,
         autocast: tuple[Autocast, bool] = ((), True),
         python_chains: bool = True,
         rng_seed: int | None = None,
@@ -315,10 +316,14 @@ class RankExecutor(StageCompute):
             else None
         # A split schedule (I and W actions), or fused_wgrad: the other
         # stages' layers defer their weight gradients to W, or to the end of
-        # B (``fastpipe.runtime.deferred``).
-        self._split = train and (self.fused_wgrad or any(a.kind is Kind.W for a in self.actions))
-        installed = [deferred.install(st.module, st.forwards) for i, st in self.stages.items()
-                     if i not in self._chains] if self._split else []
+        # B (``fastpipe.runtime.deferred``). A stage with hooks on a
+        # parameter's AccumulateGrad node keeps autograd's backward (all in
+        # I): only autograd's own accumulation runs them.
+        split = train and (self.fused_wgrad or any(a.kind is Kind.W for a in self.actions))
+        self._defers = {i for i, st in self.stages.items() if i not in self._chains
+                        and not accumulator_hooked(st.params)} if split else set()
+        installed = [deferred.install(self.stages[i].module, self.stages[i].forwards)
+                     for i in sorted(self._defers)]
         self.transport.begin(self.actions)
         self._ahead = self.transport.posts_ahead
         if self._ahead:

@@ -4,7 +4,7 @@ zero-bubble's input and weight halves, with checkpointing and chains.
 ``StageCompute`` holds the compute verbs of ``RankExecutor`` (the executor
 owns the loop, the bookkeeping and the messages; this half calls autograd,
 chains and deferred weight work). It reads the executor's per-step state:
-``stages``, ``_saved``, ``_weights``, ``_results``, ``_chains``,
+``stages``, ``_saved``, ``_weights``, ``_results``, ``_chains``, ``_defers``,
 ``_inputs``/``_targets``/``_loss_fn``/``_train``, ``_known_loss``, the
 autocast settings and the RNG lock, and calls back ``_take``, ``_deliver``,
 ``_send_b``, ``_count``, ``_hold``, ``_borrows``.
@@ -82,7 +82,7 @@ class StageCompute:
             rng = None if not ckpt else RngState.capture(stage.device) \
                 if stage.stochastic or self.rng_lock is None else NO_RANDOM
             counting = self._train and known is None
-            pending = deferred.Pending() if self._split and not ckpt else None
+            pending = deferred.Pending() if a.stage in self._defers and not ckpt else None
             with self._saved_bytes.counting() if counting else nullcontext():
                 with forgetful() if ckpt else nullcontext(), self._autocast(), \
                         deferred.collecting(pending) if pending is not None else nullcontext():
@@ -220,8 +220,8 @@ class StageCompute:
         known = stage.saved_bytes.get(shape_key)
         start = self._saved_bytes.total
         counting = self._saved_bytes.counting() if known is None else nullcontext()
-        saved.pending = deferred.Pending() if self._split else None
-        collect = deferred.collecting(saved.pending) if self._split else nullcontext()
+        saved.pending = deferred.Pending() if stage_index in self._defers else None
+        collect = deferred.collecting(saved.pending) if saved.pending is not None else nullcontext()
         with recompute(saved.rng, self.rng_lock if stage.stochastic else None), counting, \
                 self._autocast(), collect:
             out = stage.module(unflatten(saved.leaves, saved.spec))
@@ -269,7 +269,7 @@ class StageCompute:
         saved = self._grads_for(*key)
         del self._saved[key]
         pending = self._input_grads(a, saved)
-        if saved.chain is not None and key in self._send_after_i:
+        if pending is not None and key in self._send_after_i:
             # The gradient the previous stage waits for leaves before W
             # runs, not after: W only feeds this rank's .grad.
             self._send_b(a)
