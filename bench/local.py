@@ -141,10 +141,10 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], autograd_b
     else:
         print("  torchgpipe not installed: pip install torchgpipe==0.0.7 for the peer column")
     print(describe_orders(orders))
-    print(f"  {'fastpipe schedule':<18}{'ms':>9}{'efficiency':>12}{'torchgpipe/fastpipe':>21}")
+    print(f"  {'fastpipe schedule':<21}{'ms':>9}{'efficiency':>12}{'torchgpipe/fastpipe':>21}")
     for schedule, ours in rows.items():
         ratio = f"{theirs / ours:>21.2f}" if theirs is not None else ""
-        print(f"  {schedule:<18}{ours * 1e3:>9.1f}{ideal / ours:>12.2f}{ratio}")
+        print(f"  {schedule:<21}{ours * 1e3:>9.1f}{ideal / ours:>12.2f}{ratio}")
 
 
 def _single_threaded(argv: list[str]) -> None:

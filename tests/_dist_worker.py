@@ -54,9 +54,10 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                         timeout=60, overlap=case.get("overlap", not case.get("exact")),
                         checkpoint=case.get("checkpoint", "never"),
                         wire_dtype=case.get("wire"), grad_wire_dtype=case.get("grad_wire"),
-                        fused_wgrad=case.get("fused", True), shm=case.get("shm", False),
-                        free_remote=case.get("free_remote", False))
+                        shm=case.get("shm", False), free_remote=case.get("free_remote", False),
+                        **({"fused_wgrad": case["fused"]} if "fused" in case else {}))
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
+            assert pipe.fused_wgrad is case.get("fused", True), "B defers by default"
             loss_fn = models.loss_of(case)
             losses, outs, rings, p2p, input_grads = [], [], [], [], []
             del _SIZES[:]
