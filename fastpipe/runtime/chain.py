@@ -37,7 +37,9 @@ from torch import nn
 
 from fastpipe._ext import native_chain
 from fastpipe.runtime import deferred
-from fastpipe.runtime.eager_checks import accumulator_hooked, global_hooks, graph_modes, module_hooked, originals, param_hooked, patched
+from fastpipe.runtime.eager_checks import (
+    accumulator_hooked, global_hooks, graph_modes, module_hooked, originals, param_hooked, patched,
+)
 
 __all__ = ["Chain"]
 

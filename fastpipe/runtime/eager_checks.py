@@ -15,7 +15,8 @@ from torch.nn.modules import module as _module
 
 from fastpipe._ext import native_chain
 
-__all__ = ["accumulator_hooked", "global_hooks", "graph_modes", "module_hooked", "originals", "param_hooked", "patched"]
+__all__ = ["accumulator_hooked", "global_hooks", "graph_modes", "module_hooked", "originals", "param_hooked",
+           "patched"]
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
