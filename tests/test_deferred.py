@@ -621,12 +621,18 @@ def _plans(kept: dict) -> list:
     return [getattr(held, "slow", held).plan for held in kept.values()]
 
 
-def test_plans_are_kept_between_steps_while_their_layers_are_as_planned():
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_plans_are_kept_between_steps_while_their_layers_are_as_planned(path, monkeypatch):
     """A stage's plans live from step to step (making them is on the first
     F's critical path); whatever would make one wrong is seen at the next
-    step's ``install``: the parameters' memory swapped (``p.data = ...``, as
-    ``module.to()`` does), a flag of the layer changed, a parameter object
-    replaced. Forwards and gradients stay autograd's throughout."""
+    step's ``install`` (in C++ for native plans, ``_chain.plan_holds``): the
+    parameters' memory swapped (``p.data = ...``, as ``module.to()`` does),
+    a flag of the layer changed, a parameter object replaced, a hook added.
+    Forwards and gradients stay autograd's throughout."""
+    if path == "native" and deferred.native_chain() is None:
+        pytest.skip("fastpipe._chain is not built")
+    if path == "python":
+        monkeypatch.setattr(deferred, "native_chain", lambda: None)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 6), nn.Tanh(),
                           nn.Linear(6, 3)).double()
@@ -663,8 +669,20 @@ def test_plans_are_kept_between_steps_while_their_layers_are_as_planned():
     model[1].eps = 1e-3
     new = model[4].bias = nn.Parameter(torch.ones(3, dtype=torch.float64))
     changed = step_matches_autograd()
-    assert [a is b for a, b in zip(again, changed)] == [True, False, False, False]
+    # The Python forward reads a layer's flags (eps) at each call: its plan stays.
+    assert [a is b for a, b in zip(again, changed)] == [True, path == "python", False, False]
     assert changed[3][0][1] is new
+
+    accumulated = []
+    model[0].weight.register_post_accumulate_grad_hook(accumulated.append)
+    hooked = step_matches_autograd()
+    assert [a is b for a, b in zip(changed, hooked)] == [False, True, True, True]
+    assert [p is model[0].weight for p in accumulated].count(True) == 1
+    model[2].weight.requires_grad_(False)
+    frozen = step_matches_autograd()
+    # the hooked Embedding does not defer: its plan is decided afresh each step
+    assert [a is b for a, b in zip(hooked, frozen)] == [False, True, False, True]
+    model[2].weight.requires_grad_(True)
 
     model.float()  # every parameter's memory swapped, to float32
     floats = step_matches_autograd()
@@ -784,7 +802,11 @@ def test_an_output_whose_input_wants_no_gradient_is_not_kept_alive(name, path, m
             deferred.backward_input([loss], [None], [], list(layer.parameters()), pending)
             entries += pending.entries
             blocks += pending.calls
+        held = list(blocks)
         deferred.run_weight(entries, fuse=False, calls=blocks)
+        # What W read goes with it (native blocks emptied in C++, without the GIL).
+        assert not entries and not blocks and all(len(b) == 0 for b in held)
+        assert bool(held) == (path == "native")
     finally:
         deferred.uninstall(layers)
     for x in xs:

@@ -271,6 +271,47 @@ class DeferringForward {
   std::shared_ptr<const Plan> plan_;  // shared: a call keeps its plan while the GIL is released
 };
 
+// _Forward._holds's look at a kept plan's parameters, made here (a stage's
+// every layer, at every step's install): `params_dict` (the module's
+// _parameters) still holds `params` under `names`; each parameter trains as
+// `targets` says (None: frozen) and, training, has no tensor or
+// post-accumulate hook; each `detached` alias still views its parameter's
+// memory with its dtype, sizes and strides (`p.data = ...` swaps it).
+bool plan_holds(const py::dict& params_dict, const std::vector<py::str>& names, const py::tuple& params,
+                const py::tuple& targets, const py::tuple& detached) {
+  static PyObject* hooks_name = PyUnicode_InternFromString("_backward_hooks");
+  static PyObject* post_name = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
+  const std::size_t n = names.size();
+  if (params.size() != n || targets.size() != n || detached.size() != n) return false;
+  for (std::size_t i = 0; i < n; ++i) {
+    PyObject* obj = PyTuple_GET_ITEM(params.ptr(), i);
+    PyObject* now = PyDict_GetItemWithError(params_dict.ptr(), names[i].ptr());
+    if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (now != obj) return false;
+    if (obj == Py_None) continue;
+    PyObject* d = PyTuple_GET_ITEM(detached.ptr(), i);
+    if (!THPVariable_Check(obj) || !THPVariable_Check(d)) return false;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    const bool trained = PyTuple_GET_ITEM(targets.ptr(), i) != Py_None;
+    if (t.requires_grad() != trained) return false;
+    if (trained) {
+      for (PyObject* name : {hooks_name, post_name}) {
+        py::object hooks = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, name));
+        if (!hooks) throw py::error_already_set();
+        const int set = name == post_name ? hooks.ptr() != Py_None : PyObject_IsTrue(hooks.ptr());
+        if (set < 0) throw py::error_already_set();
+        if (set) return false;
+      }
+    }
+    const at::Tensor& alias = THPVariable_Unpack(d);
+    if (alias.data_ptr() != t.data_ptr() || alias.scalar_type() != t.scalar_type() ||
+        alias.sizes() != t.sizes() || alias.strides() != t.strides()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // --- I: the input gradients, and each deferred layer's output gradient ------
 //
 // deferred.backward_input's engine call, made here: what the Python call
@@ -399,7 +440,9 @@ py::object backward_input_native(const py::tuple& roots, const py::tuple& grads,
     Edge e;
     if (i < n_in + n_par) {
       if (!THPVariable_Check(obj)) throw py::type_error("backward_input: inputs and parameters are tensors");
-      e = output_edge(THPVariable_Unpack(obj));
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if (i >= n_in && !t.requires_grad()) continue;  // a frozen parameter: nothing to capture
+      e = output_edge(t);
     } else {
       e = root_edge(obj);
     }
@@ -506,11 +549,14 @@ void register_defer(py::module_& m) {
            py::arg("targets"), py::arg("meta"), py::arg("layer"), py::arg("native"))
       .def("clear_plan", &DeferringForward::clear_plan)
       .def("__call__", &DeferringForward::call);
+  m.def("plan_holds", &plan_holds, py::arg("params_dict"), py::arg("names"), py::arg("params"),
+        py::arg("targets"), py::arg("detached"),
+        "Whether a kept deferring plan still fits its layer's parameters (deferred._Forward._holds).");
   m.def("backward_input", &backward_input, py::arg("roots"), py::arg("grads"), py::arg("inputs"),
         py::arg("params"), py::arg("entries"), py::arg("edges"), py::arg("blocks"), py::arg("keep_graph"),
         "I of a deferring stage: one engine call from roots (tensors or GradientEdges) with their "
         "gradients; returns (gradients of inputs, [(index, gradient) of parameters autograd "
-        "reached], the entries whose output a gradient reached, each given it as .g; the blocks' calls "
+        "reached; those that want no gradient are skipped], the entries whose output a gradient reached, each given it as .g; the blocks' calls "
         "get theirs, or go), with the GIL released while the engine runs; None where an edge's node is "
         "a Python Function's.");
 }

@@ -212,6 +212,15 @@ void weight_grads(const std::vector<std::shared_ptr<Layer>>& layers, const std::
         throw std::invalid_argument("weight_grads: unknown rule kind " + std::to_string(group.front()->layer->kind));
     }
   }
+  // What W read goes now, still without the GIL: freed later from Python,
+  // each of these tensors would be a free with the GIL held, beside another
+  // rank's forward in local mode.
+  groups.clear();
+  items.clear();
+  for (const auto& block : blocks) {
+    block->calls.clear();
+    block->edges.clear();
+  }
 }
 
 // The rows a call adds to a gathered W, as the built-in rules count them
@@ -312,7 +321,7 @@ void register_wgrad(py::module_& m) {
   m.def("weight_grads", &weight_grads, py::arg("layers"), py::arg("kept"), py::arg("gs"), py::arg("fuse"),
         py::arg("blocks") = std::vector<std::shared_ptr<Calls>>{},
         "W of deferred layers: the calls of `blocks`, then call i is (layers[i], kept[i], gs[i]); "
-        "with the GIL released.");
+        "with the GIL released. The blocks are empty afterwards.");
   py::class_<Calls, std::shared_ptr<Calls>>(m, "Calls")
       .def(py::init<>())
       .def("__len__", [](const Calls& c) { return c.calls.size(); })

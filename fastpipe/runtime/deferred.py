@@ -294,16 +294,19 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
         backward_full(roots, grads, keep_graph)
         return [t.grad if t.requires_grad else None for t in inputs]
     wanted = [i for i, t in enumerate(inputs) if t.requires_grad]
-    trained = [p for p in params if p.requires_grad]
     chain = native_chain()
-    # The same call, its bookkeeping in C++ (csrc/chain/defer.cpp); None
-    # there where an edge is a Python autograd.Function's.
+    # The same call, its bookkeeping in C++ (csrc/chain/defer.cpp; it skips
+    # the parameters that want no gradient); None there where an edge is a
+    # Python autograd.Function's.
+    params = params if isinstance(params, list) else list(params)
     native = chain.backward_input(tuple(roots), filled(roots, grads), [inputs[i] for i in wanted],
-                                  trained, pending.entries, pending.edges, blocks, keep_graph) \
+                                  params, pending.entries, pending.edges, blocks, keep_graph) \
         if chain is not None else None
     if native is not None:
         got, reached, pending.entries = native
+        trained = params
     else:  # blocks exist only where the chain is built
+        trained = [p for p in params if p.requires_grad]
         block_edges = [chain.block_edges(b) for b in blocks]
         got = run_backward(tuple(roots), filled(roots, grads), keep_graph, False,
                            tuple(inputs[i] for i in wanted) + tuple(trained) + tuple(pending.edges)
@@ -355,10 +358,16 @@ def run_weight(entries: Sequence[Entry], fuse: bool = True, calls: Sequence = ()
     left = entries
     chain = native_chain()
     if chain is not None:  # the built-in rules' W in C++, without the GIL
+        calls = calls if isinstance(calls, list) else list(calls)
+        if not entries:  # only native blocks (the usual case): no Python per layer either
+            if calls:
+                chain.weight_grads((), (), (), fuse, calls)  # it empties the blocks
+                calls.clear()
+            return
         done = [e for e in entries if e.native is not None]
         if done or calls:
             chain.weight_grads([e.native for e in done], [e.saved[0] for e in done],
-                               [e.g for e in done], fuse, list(calls))
+                               [e.g for e in done], fuse, calls)
             left = [e for e in entries if e.native is None] if done else entries
     elif calls:
         raise RuntimeError("native weight-gradient calls without fastpipe._chain")
@@ -610,19 +619,12 @@ class _Forward:
         if detached is None:  # the call did not defer: cheap to decide again
             return False
         module, rule = self.module, self.rule
-        now = rule.params(module)
-        if len(now) != len(params):
+        if self.planned_fast is not None:  # a native plan: its parameters' names are known
+            if not native_chain().plan_holds(module._parameters, self.planned_fast[1], params,
+                                             targets, detached):
+                return False
+        elif not _params_hold(rule.params(module), params, targets, detached):
             return False
-        for p, planned, t, d in zip(now, params, targets, detached):
-            if p is not planned:
-                return False
-            if p is None:
-                continue
-            if p.requires_grad != (t is not None) or (t is not None and param_hooked(t)):
-                return False
-            if (d.data_ptr() != p.data_ptr() or d.dtype != p.dtype or d.shape != p.shape
-                    or d.stride() != p.stride()):
-                return False
         if not rule.accepts(module):
             return False
         return self.planned_fast is None or rule._fast(module) == self.planned_fast
@@ -678,7 +680,25 @@ class _Forward:
         # AccumulateGrad node, whatever is saved, until I.
         aliases = tuple(d.detach().requires_grad_() if t is not None else d
                         for d, t in zip(detached, targets)) if ok else None
-        return [params, targets, detached, _UNSET, aliases]
+        return [tuple(params), targets, detached, _UNSET, aliases]
+
+
+def _params_hold(now, params, targets, detached) -> bool:
+    """``_Forward._holds``'s look at the parameters (``fastpipe._chain.plan_holds``
+    makes it in C++ for native plans)."""
+    if len(now) != len(params):
+        return False
+    for p, planned, t, d in zip(now, params, targets, detached):
+        if p is not planned:
+            return False
+        if p is None:
+            continue
+        if p.requires_grad != (t is not None) or (t is not None and param_hooked(t)):
+            return False
+        if (d.data_ptr() != p.data_ptr() or d.dtype != p.dtype or d.shape != p.shape
+                or d.stride() != p.stride()):
+            return False
+    return True
 
 
 _configured: list[ModuleType] = []
@@ -764,14 +784,19 @@ def _installed(m: nn.Module) -> _Forward | None:
     return fwd if isinstance(fwd, _Forward) else None
 
 
-def _modules_outside_compiled(root: nn.Module) -> Iterator[nn.Module]:
-    stack = [root]
+def _modules_outside_compiled(root: nn.Module) -> list[nn.Module]:
+    """``root`` and its submodules, depth first, but none inside a compiled
+    module (read from ``_modules``: this runs for every stage at every step)."""
+    out, stack = [], [root]
     while stack:
         m = stack.pop()
         if type(m).__name__ == "OptimizedModule":  # torch.compile's wrapper
             continue
-        yield m
-        stack.extend(reversed(list(m.children())))
+        out.append(m)
+        subs = m._modules
+        if subs:
+            stack.extend(reversed([c for c in subs.values() if c is not None]))
+    return out
 
 
 # The built-in rules register themselves (nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding).
