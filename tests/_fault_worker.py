@@ -46,6 +46,41 @@ class _FailBackward(torch.autograd.Function):
         raise RuntimeError("boom in backward")
 
 
+class FailW(nn.Module):
+    """``x * weight``, whose deferred W (``FailWRule``) raises for the last
+    microbatch of step ``at``: a failure after the rank's last message."""
+
+    calls = 0  # W calls this step (reset by the worker)
+
+    def __init__(self, at: int, chunks: int):
+        super().__init__()
+        self.at, self.chunks = at, chunks
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def _fail_w_rule():
+    from fastpipe.runtime.deferred import WeightRule
+
+    class Rule(WeightRule):
+        def params(self, m):
+            return (m.weight,)
+
+        def forward(self, m, x, detached):
+            return x * detached[0], (x.detach(),), m
+
+        def weight_grads(self, kept, meta, targets, g):
+            (x,), m = kept, meta
+            FailW.calls += 1
+            if Fault.step == m.at and FailW.calls == m.chunks:
+                raise RuntimeError("boom in W")
+            return ((g * x).sum(0),)
+
+    return Rule()
+
+
 class SumAll(nn.Module):
     def forward(self, value):
         return sum(value) if isinstance(value, tuple) else value
@@ -59,6 +94,10 @@ def _model(case: dict, rank: int) -> nn.Sequential:
     second = Fault(mode if case.get("stage") == 1 else "none", case.get("at", 1))
     if case["fault"] == "shape":
         first = Fault("shape", case.get("at", 1))
+    if case["fault"] == "weight":  # the last stage's last layer; only the faulty rank's W raises
+        layers = [nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3)]
+        at = case.get("at", 1) if case.get("rank") == rank else -1
+        return nn.Sequential(*layers, FailW(at, 4)).double()
     return nn.Sequential(nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3)).double()
 
 
@@ -72,6 +111,11 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
     try:
         kwargs = dict(chunks=4, schedule="1f1b", balance=[2, 3], timeout=case["timeout"],
                       shm=case.get("shm"))
+        if case["fault"] == "weight":
+            from fastpipe import register_weight_rule
+
+            register_weight_rule(FailW, _fail_w_rule())
+            kwargs["balance"] = [2, 4]
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
         os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"
@@ -84,7 +128,7 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
         if case["fault"] == "nan":
             y[0, 0] = float("nan")
         for step in range(case.get("steps", 3)):
-            Fault.step = step
+            Fault.step, FailW.calls = step, 0
             started = time.monotonic()
             xs, ys = x, y
             if case.get("rank") == rank and step == case.get("at"):

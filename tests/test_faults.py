@@ -86,6 +86,18 @@ def test_backward_error_on_the_other_rank_fails_both(tmp_path, transport):
 
 
 @pytest.mark.timeout(120)
+def test_an_error_after_the_last_message_fails_the_peer_waiting_for_the_loss(tmp_path):
+    """The last stage's rank fails in a W after it sent its last gradient:
+    the other rank, done with its own step, waits for the step's loss, which
+    comes through the rings; their abort reaches it at once."""
+    (r0, r1), codes = _run({"fault": "weight", "rank": 1, "at": 1, "shm": True}, tmp_path)
+    _failed_fast(r1, "RuntimeError", "boom in W")
+    _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "boom in W")
+    assert len(r0["losses"]) == len(r1["losses"]) == 1 and r0["losses"] == r1["losses"]
+    assert codes == [0, 0], [r0["log"], r1["log"]]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,rank,message", [
     ("rows", 0, "cannot be split into chunks=4"),
     ("no_target", 1, "target is None on rank 1, which holds the last stage"),

@@ -56,7 +56,7 @@ from fastpipe.runtime.transport.wire import (
 )
 from fastpipe.schedules import Action
 
-__all__ = ["CAPACITY", "ShmTransport", "connect", "neighbours"]
+__all__ = ["CAPACITY", "VALUE_TAG", "ShmTransport", "connect", "neighbours"]
 
 # Ring bytes per direction between two ranks (FASTPIPE_SHM_BYTES overrides).
 # A message longer than the free space streams through as its reader takes
@@ -67,6 +67,8 @@ CAPACITY = 8 << 20
 
 
 _OK, _ABORTED, _TIMEOUT, _GONE = 0, 1, 2, 3  # ShmLink's statuses
+# The tag of a step's mean loss (``send_value``): above every message key's tag.
+VALUE_TAG = 1 << 63
 log = logging.getLogger(__name__)
 
 
@@ -349,6 +351,32 @@ class ShmTransport:
             else:
                 arrived[tag] = (tensors, spec, held)
         return got
+
+    def send_value(self, value: torch.Tensor, dst: int) -> None:
+        """Sends a small contiguous CPU tensor outside the step's messages
+        (the step's mean loss, after them): ``take_value`` on ``dst`` reads
+        it into a tensor of the same dtype and size."""
+        status = self.link.send(self.writers[dst], VALUE_TAG, value.data_ptr(), value.nbytes,
+                                self.timeout)
+        if status != _OK:
+            raise self._error(status, dst, self.writers[dst], f"room in the ring to rank {dst} "
+                                                              "for the step's loss")
+
+    def take_value(self, src: int, like: torch.Tensor) -> torch.Tensor:
+        """The tensor ``send_value`` sent from ``src``, after every message of
+        the step (``like``: its dtype and size)."""
+        ch, what = self.readers[src], f"the step's loss from rank {src}"
+        status, tag, nbytes = self.link.next(ch, self.timeout)
+        if status != _OK:
+            raise self._error(status, src, ch, what)
+        if tag != VALUE_TAG or nbytes != like.nbytes:
+            raise AssertionError(f"rank {src} sent message {_key_of(tag, self.stages)} "
+                                 f"({nbytes} bytes) where {what} was due")
+        out = torch.empty_like(like)
+        status = self.link.read(ch, out.data_ptr(), self.timeout)
+        if status != _OK:
+            raise self._error(status, src, ch, what)
+        return out
 
     def _error(self, status: int, peer: int, ch: int, what: str) -> BaseException:
         if status == _ABORTED:
