@@ -7,7 +7,9 @@ rules (exact sizes, matched by order), every pair connected when the Pipe is
 built (``transport.connect_pairs``). The loss is computed on the last
 stage's rank and broadcast to the others without that rank waiting for it;
 through the shared-memory rings where that rank has one to every other
-rank (a gloo broadcast of it cost its receivers ~0.3 ms a step).
+rank (a gloo broadcast of it cost its receivers ~0.3 ms a step). A rank that
+fails after its last message of the step (in a W) still takes its part in
+the broadcast, so no rank is left waiting for a loss (``_loss_after_failure``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,18 @@ from fastpipe._ring_lanes import RingLanes
 from fastpipe.runtime.executor import RankExecutor, Stage
 from fastpipe.runtime.threads import autocast_state
 from fastpipe.runtime.transport import CommLanes, DistTransport, connect_pairs, flow_groups, late_groups
+from fastpipe.runtime.transport.base import PeerError
 from fastpipe.runtime.transport.groups import broadcast, finish, started
 from fastpipe.schedules import Schedule
 
 __all__ = ["DistRunner", "ranks_agree"]
 
 _LOSS_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# What the last stage's rank sends its peers at a step's end, as float64 words:
+# [the mean loss, its dtype's index in _LOSS_DTYPES or _FAILED, then (failed)
+# the rank's error, utf-8, in the bytes of the remaining words].
+_LOSS_WORDS = 34
+_FAILED = -1.0
 
 
 class DistRunner:
@@ -104,11 +112,42 @@ class DistRunner:
                 lanes.exit_to_caller()
         except BaseException as exc:
             self.broken = exc
+            if train and executor.unsent == [] and isinstance(exc, Exception) \
+                    and not isinstance(exc, PeerError):
+                self._loss_after_failure(exc)
             raise
         finally:
             if train:
                 self.memory[self.rank] = executor.peak_activation_bytes
                 self.input_grads = executor.input_grads
+
+    def _loss_after_failure(self, exc: BaseException) -> None:
+        """This rank failed after it sent every message it owed (in its last
+        W, say): the others finish their steps and wait for the loss, so it
+        takes part in the broadcast all the same, as its sender with the
+        failure and its reason (the others raise a PeerError naming it) or as
+        a receiver; for at most the Pipe's timeout, in case another rank
+        failed too. Through the rings nothing is needed: their abort reaches
+        the ranks waiting on them."""
+        owner = self._loss_owner()
+        if self._loss_rings(owner) is not None:
+            return
+        packed = torch.zeros(_LOSS_WORDS, dtype=torch.float64)
+        if self.rank == owner:
+            packed[1] = _FAILED
+            reason = f"{type(exc).__name__}: {exc}".encode()[: (_LOSS_WORDS - 2) * 8]
+            packed[2:].view(torch.uint8)[: len(reason)] = torch.frombuffer(bytearray(reason),
+                                                                            dtype=torch.uint8)
+        src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+        try:
+            finish(dist.broadcast(packed.to(self.devices[self.rank]), src=src, group=self.group,
+                                  async_op=True), self.timeout)
+        except Exception:  # noqa: BLE001 - the step's own error is what the caller gets
+            pass
+
+    def _loss_owner(self) -> int:
+        """The rank of the last stage, which computes the loss."""
+        return self.schedule.stage_to_rank[self.schedule.stages - 1]
 
     def _loss_rings(self, owner: int):
         """The ShmTransport that carries the loss, or None: shared memory is
@@ -124,36 +163,51 @@ class DistRunner:
     def mean_loss(self, results: dict[int, torch.Tensor], chunks: int) -> torch.Tensor:
         """The mean of the microbatches' losses, on every rank: computed on the
         last stage's rank and sent (with its dtype) to the others, through the
-        rings after the step's messages (``_loss_rings``) or a broadcast."""
-        owner = self.schedule.stage_to_rank[self.schedule.stages - 1]
+        rings after the step's messages (``_loss_rings``) or a broadcast.
+
+        Raises:
+            PeerError: the last stage's rank failed after its last message.
+        """
+        owner = self._loss_owner()
         rings = self._loss_rings(owner)
-        if rings is not None and self.rank != owner:
-            packed = rings.take_value(owner, torch.empty(2, dtype=torch.float64))
-            return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
-        if results:
-            loss = torch.stack([results[mb] for mb in range(chunks)]).mean()
-            code = float(_LOSS_DTYPES.index(loss.dtype)) if loss.dtype in _LOSS_DTYPES else 0.0
-            packed = torch.stack([loss.double().cpu(), torch.tensor(code, dtype=torch.float64)])
-        else:
-            packed = torch.zeros(2, dtype=torch.float64)
-        # The loss's dtype is only known where it was computed: send it along.
+        if self.rank != owner:
+            if rings is not None:
+                return self._received_loss(rings.take_value(owner, torch.empty(_LOSS_WORDS,
+                                                                               dtype=torch.float64)),
+                                           owner)
+            packed = torch.zeros(_LOSS_WORDS, dtype=torch.float64, device=self.devices[self.rank])
+            src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+            broadcast(packed, src, self.group)
+            return self._received_loss(packed, owner)
+        loss = torch.stack([results[mb] for mb in range(chunks)]).mean()
+        code = _LOSS_DTYPES.index(loss.dtype) if loss.dtype in _LOSS_DTYPES else 0
+        # The loss's dtype is only known where it was computed: it goes along.
+        packed = torch.zeros(_LOSS_WORDS, dtype=torch.float64)
+        packed[0], packed[1] = loss.detach().double().cpu(), float(code)
         if rings is not None:
             for dst in range(self.schedule.ranks):
                 if dst != owner:
                     rings.send_value(packed, dst)
-            return packed[0].to(_LOSS_DTYPES[int(code)])
+            return packed[0].to(_LOSS_DTYPES[code])
         packed = packed.to(self.devices[self.rank])
         src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
-        if self.rank == owner:
-            # The other ranks need the value; this one has it. Not waiting
-            # here takes the broadcast off this rank's step: its peers reach
-            # it only after their last backward.
-            self.finish_loss_broadcast()
-            self._loss_broadcast = (started(dist.broadcast(packed, src=src, group=self.group,
-                                                           async_op=True)), packed)
-            return packed[0].to(_LOSS_DTYPES[int(code)])  # what the others get (read only)
-        broadcast(packed, src, self.group)
-        return packed[0].to(_LOSS_DTYPES[int(packed[1].item())])
+        # The other ranks need the value; this one has it. Not waiting here
+        # takes the broadcast off this rank's step: its peers reach it only
+        # after their last backward.
+        self.finish_loss_broadcast()
+        self._loss_broadcast = (started(dist.broadcast(packed, src=src, group=self.group,
+                                                       async_op=True)), packed)
+        return packed[0].to(_LOSS_DTYPES[code])  # what the others get (read only)
+
+    @staticmethod
+    def _received_loss(packed: torch.Tensor, owner: int) -> torch.Tensor:
+        head = packed[:2].cpu()
+        code = head[1].item()
+        if code == _FAILED:
+            reason = bytes(packed[2:].cpu().view(torch.uint8).tolist()).rstrip(b"\0")
+            raise PeerError(f"pipeline rank {owner} failed after its last message of the step: "
+                            f"{reason.decode('utf-8', 'replace')}")
+        return packed[0].to(_LOSS_DTYPES[int(code)])
 
     def finish_loss_broadcast(self) -> None:
         """Waits for the last step's loss broadcast, if it is still in flight."""

@@ -52,10 +52,10 @@ class FailW(nn.Module):
 
     calls = 0  # W calls this step (reset by the worker)
 
-    def __init__(self, at: int, chunks: int):
+    def __init__(self, width: int, at: int, chunks: int):
         super().__init__()
         self.at, self.chunks = at, chunks
-        self.weight = nn.Parameter(torch.ones(3))
+        self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x):
         return x * self.weight
@@ -94,10 +94,13 @@ def _model(case: dict, rank: int) -> nn.Sequential:
     second = Fault(mode if case.get("stage") == 1 else "none", case.get("at", 1))
     if case["fault"] == "shape":
         first = Fault("shape", case.get("at", 1))
-    if case["fault"] == "weight":  # the last stage's last layer; only the faulty rank's W raises
-        layers = [nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3)]
+    if case["fault"] == "weight":  # stage 0's second layer or the last stage's last one
         at = case.get("at", 1) if case.get("rank") == rank else -1
-        return nn.Sequential(*layers, FailW(at, 4)).double()
+        if case.get("stage") == 0:
+            return nn.Sequential(nn.Linear(5, 6), FailW(6, at, 4), first, SumAll(), second,
+                                 nn.Linear(6, 3)).double()
+        return nn.Sequential(nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3),
+                             FailW(3, at, 4)).double()
     return nn.Sequential(nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3)).double()
 
 
@@ -115,7 +118,7 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
             from fastpipe import register_weight_rule
 
             register_weight_rule(FailW, _fail_w_rule())
-            kwargs["balance"] = [2, 4]
+            kwargs["balance"] = [3, 3] if case.get("stage") == 0 else [2, 4]
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
         os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"

@@ -86,14 +86,31 @@ def test_backward_error_on_the_other_rank_fails_both(tmp_path, transport):
 
 
 @pytest.mark.timeout(120)
-def test_an_error_after_the_last_message_fails_the_peer_waiting_for_the_loss(tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_error_after_the_last_message_fails_the_peer_waiting_for_the_loss(tmp_path, transport):
     """The last stage's rank fails in a W after it sent its last gradient:
-    the other rank, done with its own step, waits for the step's loss, which
-    comes through the rings; their abort reaches it at once."""
-    (r0, r1), codes = _run({"fault": "weight", "rank": 1, "at": 1, "shm": True}, tmp_path)
+    the other rank, done with its own step, waits for the step's loss, and
+    fails at once: through the rings their abort reaches it; a broadcast
+    carries the failure and its reason instead of the loss."""
+    (r0, r1), codes = _run({"fault": "weight", "rank": 1, "stage": 1, "at": 1,
+                            **TRANSPORTS[transport]}, tmp_path)
     _failed_fast(r1, "RuntimeError", "boom in W")
     _failed_fast(r0, "PeerError", "pipeline rank 1 failed", "boom in W")
     assert len(r0["losses"]) == len(r1["losses"]) == 1 and r0["losses"] == r1["losses"]
+    assert codes == [0, 0], [r0["log"], r1["log"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_error_after_the_last_message_leaves_the_loss_broadcast_whole(tmp_path, transport):
+    """The first stage's rank fails in its last W, after its last message:
+    it still takes its part of the loss, so the other rank's step ends with
+    it, and that rank's next step fails at once, naming it."""
+    (r0, r1), codes = _run({"fault": "weight", "rank": 0, "stage": 0, "at": 1,
+                            **TRANSPORTS[transport]}, tmp_path)
+    _failed_fast(r0, "RuntimeError", "boom in W")
+    assert len(r0["losses"]) == 1 and len(r1["losses"]) == 2, (r0, r1)
+    _failed_fast(r1, "PeerError", "pipeline rank 0")
     assert codes == [0, 0], [r0["log"], r1["log"]]
 
 

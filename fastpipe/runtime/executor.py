@@ -231,6 +231,9 @@ class RankExecutor(StageCompute):
             Kind.SEND_B: RankExecutor._send_b, Kind.RECV_B: RankExecutor._recv,
         }
         self._release_at, self._grads_done_at, self._send_after_i = _tables(self.actions)
+        # A failed step: (key, destination) of the messages it never sent
+        # (the peers waiting for them get abort notices instead); None otherwise.
+        self.unsent: list | None = None
         # Saved-activation bytes of each (stage, mb) alive, and the step's peak.
         self._saved_bytes = SavedBytes(p for st in stages.values() for p in st.module.parameters())
         self._activations: dict[tuple[int, int], int] = {}
@@ -271,6 +274,7 @@ class RankExecutor(StageCompute):
                 # The peer runs the other call's list: it may wait for messages
                 # this one never sends (gradients, when this rank is in pipe(x)).
                 unsent += self._all_backward_sends(unsent)
+            self.unsent = unsent
             self.transport.fail(exc, unsent)
             raise
         finally:

@@ -66,9 +66,10 @@ def started(work):
     return work
 
 
-def finish(work) -> None:
-    """Waits for a collective's ``Work`` and holds it until a few collectives
-    later (or exit): every collective fastpipe waits for ends here.
+def finish(work, timeout: float | None = None) -> None:
+    """Waits for a collective's ``Work`` (at most ``timeout`` seconds where
+    given, else the group's own timeout) and holds it until a few
+    collectives later (or exit): every collective fastpipe waits for ends here.
 
     Right after a gloo collective completes, the backend's worker thread
     still holds the work; were its reference the last, that thread would
@@ -78,7 +79,7 @@ def finish(work) -> None:
     active exception". Kept here, the last reference is dropped on a Python
     thread."""
     try:
-        work.wait()
+        work.wait() if timeout is None else work.wait(timedelta(seconds=timeout))
     finally:
         for i, w in enumerate(_IN_FLIGHT):
             if w is work:
