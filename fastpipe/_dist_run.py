@@ -77,6 +77,8 @@ class DistRunner:
         # The last stage's rank: the loss broadcast of the last step, still
         # in flight (Work, tensor), waited for before the next collective.
         self._loss_broadcast: tuple | None = None
+        # The last step failed here after its last message (``_loss_after_failure``).
+        self.failed_late = False
 
     def run(self, schedule: Schedule, stages: dict[int, Stage], inputs, targets, loss_fn,
             train: bool, refuse: BaseException | None, recording: list | None,
@@ -87,6 +89,7 @@ class DistRunner:
         except BaseException as exc:  # the last step's end failed: the group is out of step
             self.broken = exc
             raise
+        self.failed_late = False
         transport = self.transport_for(self.rank)
         transport.all_actions = schedule.actions  # exact messages follow the senders' order
         cfg = self.cfg
@@ -112,8 +115,9 @@ class DistRunner:
                 lanes.exit_to_caller()
         except BaseException as exc:
             self.broken = exc
-            if train and executor.unsent == [] and isinstance(exc, Exception) \
-                    and not isinstance(exc, PeerError):
+            self.failed_late = train and executor.unsent == [] and isinstance(exc, Exception) \
+                and not isinstance(exc, PeerError)
+            if self.failed_late:
                 self._loss_after_failure(exc)
             raise
         finally:
@@ -144,6 +148,13 @@ class DistRunner:
                                   async_op=True), self.timeout)
         except Exception:  # noqa: BLE001 - the step's own error is what the caller gets
             pass
+
+    def joins_after_failure(self) -> bool:
+        """Whether this rank, its step failed, takes part in the collectives
+        after the loss (the tied-parameter sum) all the same: it failed after
+        its last message and is not the loss's rank, so the others got their
+        loss and are in them (had the loss's rank failed, they raised there)."""
+        return self.failed_late and self.rank != self._loss_owner()
 
     def _loss_owner(self) -> int:
         """The rank of the last stage, which computes the loss."""

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpipe.runtime.transport.base import PeerError
 from fastpipe.runtime.transport.groups import all_reduce
 
 __all__ = ["LocalTies", "Tie", "TiedGrads", "check_local", "find_ties"]
@@ -159,23 +160,47 @@ class TiedGrads:
             self.ties[i].param.grad = grad
         self._aside = {}
 
-    def reduce(self) -> None:
+    def reduce(self, failed: bool = False, timeout: float | None = None) -> None:
+        """Sums the step's shares over the group into ``.grad``.
+
+        ``failed``: this rank's step failed after its last message, so the
+        others reached this call: it takes part with no share and a flag
+        that makes them fail too (their ``.grad`` as before the step),
+        waiting at most ``timeout`` seconds.
+
+        Raises:
+            PeerError: another rank took part with ``failed``.
+        """
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, tie in enumerate(self.ties):
             by_dtype.setdefault(tie.param.dtype, []).append(i)
+        ranks = dist.get_world_size(self.group)
+        totals = []
         for dtype, indices in by_dtype.items():
-            # One buffer per dtype: each tie's share, then one flag per tie
-            # (1 where this rank produced a gradient), summed over ranks.
+            # One buffer per dtype: each tie's share, one flag per tie (1
+            # where this rank produced a gradient), one per rank (1: its step
+            # failed), summed over ranks.
             sizes = [self.ties[i].param.numel() for i in indices]
-            flat = torch.zeros(sum(sizes) + len(indices), dtype=dtype, device=self.device)
+            flat = torch.zeros(sum(sizes) + len(indices) + ranks, dtype=dtype, device=self.device)
             offset = 0
             for k, (i, size) in enumerate(zip(indices, sizes)):
-                grad = self.ties[i].param.grad if self._mine(self.ties[i]) else None
+                grad = self.ties[i].param.grad if self._mine(self.ties[i]) and not failed else None
                 if grad is not None:
                     flat[offset : offset + size].copy_(grad.reshape(-1))
                     flat[sum(sizes) + k] = 1
                 offset += size
-            all_reduce(flat, group=self.group)
+            if failed:
+                flat[sum(sizes) + len(indices) + self.rank] = 1
+            all_reduce(flat, group=self.group, timeout=timeout if failed else None)
+            totals.append((indices, sizes, flat))
+        if failed:
+            return
+        for indices, sizes, flat in totals:
+            gone = [r for r, f in enumerate(flat[sum(sizes) + len(indices):].tolist()) if f > 0]
+            if gone:
+                raise PeerError(f"pipeline rank {gone[0]} failed after its last message of the "
+                                "step (its own error says why)")
+        for indices, sizes, flat in totals:
             flags = flat[sum(sizes):].tolist()
             offset = 0
             for k, (i, size) in enumerate(zip(indices, sizes)):

@@ -247,6 +247,11 @@ class Pipe(nn.Module):
                 loss = loss / factor.to(loss.device)
         except BaseException as exc:
             if tied is not None:
+                if self.distributed and self._runner.joins_after_failure():
+                    try:  # the others are in the tied sum: it tells them of this failure
+                        tied.reduce(failed=True, timeout=self.timeout)
+                    except Exception:  # noqa: BLE001 - the step's own error is what the caller gets
+                        pass
                 tied.restore()  # .grad as before the step, the step's share dropped
             if average is not None:
                 if not averaging and isinstance(exc, Exception):

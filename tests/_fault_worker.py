@@ -81,6 +81,17 @@ def _fail_w_rule():
     return Rule()
 
 
+class TiedScale(nn.Module):
+    """``x * p`` with another layer's parameter: a tie across stages."""
+
+    def __init__(self, p: nn.Parameter):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return x * self.p
+
+
 class SumAll(nn.Module):
     def forward(self, value):
         return sum(value) if isinstance(value, tuple) else value
@@ -97,7 +108,9 @@ def _model(case: dict, rank: int) -> nn.Sequential:
     if case["fault"] == "weight":  # stage 0's second layer or the last stage's last one
         at = case.get("at", 1) if case.get("rank") == rank else -1
         if case.get("stage") == 0:
-            return nn.Sequential(nn.Linear(5, 6), FailW(6, at, 4), first, SumAll(), second,
+            lin = nn.Linear(5, 6)
+            tied = [TiedScale(lin.bias)] if case.get("tied") else []  # in stage 1: [3, 4]
+            return nn.Sequential(lin, FailW(6, at, 4), first, SumAll(), *tied, second,
                                  nn.Linear(6, 3)).double()
         return nn.Sequential(nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3),
                              FailW(3, at, 4)).double()
@@ -118,7 +131,8 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
             from fastpipe import register_weight_rule
 
             register_weight_rule(FailW, _fail_w_rule())
-            kwargs["balance"] = [3, 3] if case.get("stage") == 0 else [2, 4]
+            kwargs["balance"] = [2, 4] if case.get("stage") != 0 else [3, 4] if case.get("tied") \
+                else [3, 3]
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
         os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"

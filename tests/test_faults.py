@@ -115,6 +115,21 @@ def test_an_error_after_the_last_message_leaves_the_loss_broadcast_whole(tmp_pat
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "gloo-sizes"])
+def test_an_error_after_the_last_message_reaches_the_tied_sum(tmp_path, transport):
+    """With a parameter tied across the ranks, the step's tied sum follows the
+    loss: the first stage's rank, failed in its last W, takes part in it
+    with a failure flag, so the other rank fails there at once, its .grad
+    as before the step."""
+    (r0, r1), codes = _run({"fault": "weight", "rank": 0, "stage": 0, "at": 1, "tied": True,
+                            **TRANSPORTS[transport]}, tmp_path)
+    _failed_fast(r0, "RuntimeError", "boom in W")
+    _failed_fast(r1, "PeerError", "pipeline rank 0 failed after its last message")
+    assert len(r0["losses"]) == len(r1["losses"]) == 1, (r0, r1)
+    assert codes == [0, 0], [r0["log"], r1["log"]]
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,rank,message", [
     ("rows", 0, "cannot be split into chunks=4"),
     ("no_target", 1, "target is None on rank 1, which holds the last stage"),

@@ -90,9 +90,10 @@ def finish(work, timeout: float | None = None) -> None:
             del _DONE[0]
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+               timeout: float | None = None) -> None:
     """``dist.all_reduce`` as a blocking call, its work freed by this thread (``finish``)."""
-    finish(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    finish(dist.all_reduce(tensor, op=op, group=group, async_op=True), timeout)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None) -> None:
