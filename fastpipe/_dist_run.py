@@ -79,6 +79,7 @@ class DistRunner:
         self._loss_broadcast: tuple | None = None
         # The last step failed here after its last message (``_loss_after_failure``).
         self.failed_late = False
+        self._loss_by_rings: bool | None = None  # ``_loss_rings``, decided at the first step
 
     def run(self, schedule: Schedule, stages: dict[int, Stage], inputs, targets, loss_fn,
             train: bool, refuse: BaseException | None, recording: list | None,
@@ -142,7 +143,7 @@ class DistRunner:
             reason = f"{type(exc).__name__}: {exc}".encode()[: (_LOSS_WORDS - 2) * 8]
             packed[2:].view(torch.uint8)[: len(reason)] = torch.frombuffer(bytearray(reason),
                                                                             dtype=torch.uint8)
-        src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+        src = self._loss_src(owner)
         try:
             finish(dist.broadcast(packed.to(self.devices[self.rank]), src=src, group=self.group,
                                   async_op=True), self.timeout)
@@ -160,16 +161,22 @@ class DistRunner:
         """The rank of the last stage, which computes the loss."""
         return self.schedule.stage_to_rank[self.schedule.stages - 1]
 
+    def _loss_src(self, owner: int) -> int:
+        """``owner``'s rank in the default group, as torch's collectives take it."""
+        return dist.get_global_rank(self.group, owner) if self.group is not None else owner
+
     def _loss_rings(self, owner: int):
         """The ShmTransport that carries the loss, or None: shared memory is
         on and the last stage's rank has a ring to every other rank (it
-        holds a stage next to each of theirs: two ranks, say)."""
-        if self.shm_link is None:
-            return None
-        from fastpipe.runtime.shm import neighbours
+        holds a stage next to each of theirs: two ranks, say). The placement
+        is the Pipe's for its life, so this is decided once."""
+        if self._loss_by_rings is None:
+            from fastpipe.runtime.shm import neighbours
 
-        ranks = set(range(self.schedule.ranks)) - {owner}
-        return self.transport if neighbours(self.schedule.stage_to_rank, owner) == ranks else None
+            ranks = set(range(self.schedule.ranks)) - {owner}
+            self._loss_by_rings = (self.shm_link is not None
+                                   and neighbours(self.schedule.stage_to_rank, owner) == ranks)
+        return self.transport if self._loss_by_rings else None
 
     def mean_loss(self, results: dict[int, torch.Tensor], chunks: int) -> torch.Tensor:
         """The mean of the microbatches' losses, on every rank: computed on the
@@ -187,7 +194,7 @@ class DistRunner:
                                                                                dtype=torch.float64)),
                                            owner)
             packed = torch.zeros(_LOSS_WORDS, dtype=torch.float64, device=self.devices[self.rank])
-            src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+            src = self._loss_src(owner)
             broadcast(packed, src, self.group)
             return self._received_loss(packed, owner)
         loss = torch.stack([results[mb] for mb in range(chunks)]).mean()
@@ -201,7 +208,7 @@ class DistRunner:
                     rings.send_value(packed, dst)
             return packed[0].to(_LOSS_DTYPES[code])
         packed = packed.to(self.devices[self.rank])
-        src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
+        src = self._loss_src(owner)
         # The other ranks need the value; this one has it. Not waiting here
         # takes the broadcast off this rank's step: its peers reach it only
         # after their last backward.
