@@ -118,7 +118,7 @@ def _chunk_options(batch: int, ranks: int) -> list[int]:
 
 
 def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]:
-    sums = {"F": [], "B": [], "I": [], "W": [], "act": [], "param": [], "input": []}
+    sums = {"F": [], "B": [], "I": [], "W": [], "act": [], "param": [], "input": [], "weight": []}
     start = 0
     for n in balance:
         layers = prof.layers[start : start + n]
@@ -126,7 +126,11 @@ def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]
         sums["B"].append(sum(x.backward for x in layers))
         sums["I"].append(sum(x.input_backward for x in layers))
         sums["W"].append(sum(x.weight_backward for x in layers))
-        sums["act"].append(sum(x.activation_bytes for x in layers))
+        # A tensor two neighbours save is one within a stage; at its first
+        # layer it is a received copy of its own.
+        sums["act"].append(sum(x.activation_bytes for x in layers)
+                           - sum(x.shared_bytes for x in layers[1:]))
+        sums["weight"].append(sum(x.weight_bytes for x in layers))
         sums["param"].append(sum(x.param_bytes for x in layers))
         sums["input"].append(prof.layers[start - 1].output_bytes if start else 0)
         start += n
@@ -246,9 +250,9 @@ def order_for(prof: Profile, balance: Sequence[int], schedule: Schedule, mode: s
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:
     """Peak bytes per rank: parameters × ``param_scale`` + saved activations alive.
 
-    A microbatch holds its stage's activations from F to its last backward
-    action (B, or W after I); checkpointed, it holds only its input until its
-    B/I recomputes the rest, which then lives to the same point.
+    A microbatch holds its stage's activations from F to its B, or to its I,
+    and then what W reads (``LayerProfile.weight_bytes``) until its W;
+    checkpointed, it holds only its input until its B/I recomputes the rest.
     """
     peaks = []
     for rank, row in enumerate(schedule.actions):
@@ -271,6 +275,10 @@ def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list
             alive[key] = alive.get(key, 0) + add
             live += add
             peak = max(peak, live)
+            if a.kind is Kind.I:
+                live += sums["weight"][a.stage] - alive[key]
+                alive[key] = sums["weight"][a.stage]
+                peak = max(peak, live)
             if last[key] == i:
                 live -= alive.pop(key)
         peaks.append(int(static + peak))

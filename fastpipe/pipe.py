@@ -185,7 +185,9 @@ class Pipe(nn.Module):
             parameter and current gradient bytes of the rank's stages, the
             most saved-activation bytes alive at once during the last step
             (autograd's saved tensors, parameters excluded, counted as they
-            are saved and freed microbatch by microbatch), and their sum.
+            are saved and freed microbatch by microbatch; under a split
+            schedule, from a microbatch's I to its W, what W reads), and
+            their sum.
         """
         out = {}
         for rank in self._place.ranks():

@@ -218,7 +218,7 @@ def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
     plan that fits, and the executor's own peak stays under the limit."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
-    x, y = torch.randn(512, 64), torch.randn(512, 64)  # activations outweigh parameters
+    x, y = torch.randn(1024, 64), torch.randn(1024, 64)  # activations outweigh parameters
     free = plan(model, x, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"])
     need = max(free.best.memory)
     everything = plan(model, x, 2, chunks=[8], prof=free.profile)
@@ -240,6 +240,35 @@ def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
         assert s["peak"] == pytest.approx(tight.best.memory[rank], rel=0.1)
     with pytest.raises(ValueError, match="no plan fits"):
         plan(model, x, 2, memory_limit=1000, chunks=[8], prof=free.profile)
+
+
+@pytest.mark.parametrize("chains", ["1", "0"])
+def test_memory_after_input_backward_is_what_weight_backward_reads(monkeypatch, chains):
+    """From I to W a microbatch holds what W reads, not its whole forward:
+    running W0 after F1 and I1 instead of before them costs exactly that
+    (each Linear's input and output gradient), on chain and autograd stages."""
+    from fastpipe.schedules import Action, Kind, Schedule
+
+    monkeypatch.setenv("FASTPIPE_CHAIN", chains)
+    monkeypatch.setenv("FASTPIPE_CHAIN_GATHER", "0")  # else W0's share waits for W1's in both
+    torch.manual_seed(0)
+    # Three Tanh save more than W reads: the first order's peak is then
+    # one microbatch's forward plus the other's W bytes.
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Tanh(), nn.Tanh(), nn.Linear(64, 8)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    peaks = {}
+    for text in ("F0 I0 F1 I1 W0 W1", "F0 I0 W0 F1 I1 W1"):
+        order = [Action(0, Kind(t[0]), int(t[1:])) for t in text.split()]
+        pipe = Pipe(model, chunks=2, devices=["cpu"], schedule=Schedule("custom", 1, 1, 2, (0,), [order]))
+        try:
+            pipe.step(x, y, nn.functional.mse_loss)
+            peaks[text] = pipe.memory_stats()[0]["activations_peak"]
+        finally:
+            pipe.close()
+        model.zero_grad(set_to_none=True)
+    rows, width = 4, 8  # a microbatch's rows; float64
+    w_reads = rows * width * (8 + 64) + rows * width * (64 + 8)  # inputs and output gradients
+    assert peaks["F0 I0 F1 I1 W0 W1"] - peaks["F0 I0 W0 F1 I1 W1"] == w_reads, peaks
 
 
 def test_memory_stats_follow_checkpointing():

@@ -47,6 +47,24 @@ def test_grads_equal_the_unchekpointed_run_exactly(schedule, mode, model_fn, mon
         assert torch.equal(grads[name], ck_grads[name]), name
 
 
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_a_checkpointed_chain_stage_leaves_its_weight_gradients_to_w(mode, monkeypatch):
+    """A chain stage's checkpointed microbatches run through autograd, and
+    their layers still defer: W, not I, computes every Linear's gradient."""
+    from fastpipe.runtime import deferred
+
+    ran = []
+    run_weight = deferred.run_weight
+
+    def counting(entries, fuse=True, calls=()):
+        ran.append(len(entries) + sum(len(c) for c in calls))
+        return run_weight(entries, fuse, calls)
+
+    monkeypatch.setattr(deferred, "run_weight", counting)
+    _grads(mlp, "zb-h1", mode)
+    assert sum(ran) == 4 * 4  # four Linears, four microbatches
+
+
 def _dropout_model():
     torch.manual_seed(0)
     return nn.Sequential(

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -227,8 +228,14 @@ class Program {
   // Bytes a forward keeps, counted as autograd's saved-tensor hooks count
   // them (a tensor two ops save counts twice), so both paths report alike.
   std::int64_t saved_bytes(const Saved& saved) const {
+    // A tensor two ops save (an activation's output, the next Linear's
+    // input) counts once, as fastpipe.runtime.memory counts autograd's.
     std::int64_t total = 0;
-    for (const at::Tensor& t : saved.tensors) total += static_cast<std::int64_t>(t.numel() * t.element_size());
+    std::set<std::pair<const void*, std::int64_t>> seen;
+    for (const at::Tensor& t : saved.tensors) {
+      const auto n = static_cast<std::int64_t>(t.nbytes());
+      if (seen.emplace(t.data_ptr(), n).second) total += n;
+    }
     return total;
   }
 

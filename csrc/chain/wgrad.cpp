@@ -386,17 +386,22 @@ void register_wgrad(py::module_& m) {
             return out;
           },
           "Each call's weight (None where it wants no gradient), in order.")
-      .def_property_readonly("kept_bytes",
-                             [](const Calls& c) {
-                               std::int64_t n = 0;
-                               for (const Call& call : c.calls) n += static_cast<std::int64_t>(call.kept.nbytes());
-                               return n;
-                             })
-      .def_property_readonly("grad_bytes", [](const Calls& c) {
-        std::int64_t n = 0;
-        for (const Call& call : c.calls) n += static_cast<std::int64_t>(call.g.nbytes());
-        return n;
-      });
+      .def_property_readonly(
+          "spans",
+          [](const Calls& c) {
+            std::vector<std::pair<std::uintptr_t, std::int64_t>> out;
+            for (const Call& call : c.calls) {
+              for (const at::Tensor* t : {&call.kept, &call.g}) {
+                if (t->defined()) {
+                  out.emplace_back(reinterpret_cast<std::uintptr_t>(t->data_ptr()),
+                                   static_cast<std::int64_t>(t->nbytes()));
+                }
+              }
+            }
+            return out;
+          },
+          "(address, bytes) of each tensor W reads: the kept inputs and, once I has run, "
+          "the output gradients (Pending.spans).");
   m.def("scan_entries", &scan_entries, py::arg("entries"), py::arg("borrowed"),
         "(rows or None, bytes, indices of entries reading borrowed memory) of one microbatch's "
         "deferred entries; None where one has no native WeightLayer.");

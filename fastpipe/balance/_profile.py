@@ -8,8 +8,11 @@ pipeline stage meets them (forward through the run, then backward back
 through it): one layer timed over and over stays in cache, and a stage's
 time comes out short (``docs/design/memory.md``, "How the planner walks
 memory"). Times are medians over ``repeats`` after ``warmup`` runs. Memory
-per layer: parameter bytes and the bytes autograd saves for backward
-(parameters excluded), counted with saved-tensor hooks.
+per layer: parameter bytes, the bytes autograd saves for backward
+(parameters excluded, a tensor saved twice once), counted with saved-tensor
+hooks on the layer before's output as a stage runs them, and the bytes a
+split schedule's W reads from I on (what the layer's weight rules kept,
+and the output gradients I left them).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class LayerProfile:
     param_bytes: int
     activation_bytes: int  # saved for backward, per microbatch
     output_bytes: int  # what crosses a boundary placed after this layer
+    weight_bytes: int = 0  # what W reads, held from I to W (a split schedule)
+    # Of activation_bytes, what the layer before saved too (its output, this
+    # one's input): one tensor, counted once where both are in one stage.
+    shared_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,8 @@ class Profile:
                 weight_backward=time_of("weight_backward", layer.weight_backward),
                 activation_bytes=int(layer.activation_bytes * factor),
                 output_bytes=int(layer.output_bytes * factor),
+                weight_bytes=int(layer.weight_bytes * factor),
+                shared_bytes=int(layer.shared_bytes * factor),
             ))
         return Profile(tuple(layers), rows, self.device, self.fits)
 
@@ -104,6 +113,7 @@ class _Timed:
     def __init__(self, layer: nn.Module, first: bool):
         self.layer, self.first = layer, first
         self.device = "cpu"  # the device of the last forward (set there)
+        self.weight_bytes = 0  # what its W reads after I (set by the last window)
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.samples: dict[str, list[float]] = {"forward": [], "backward": [],
                                                 "input_backward": [], "weight_backward": []}
@@ -157,6 +167,7 @@ def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None
         for t, (leaves, roots, grads), p in zip(reversed(timed), reversed(graphs), reversed(pendings)):
             t.timed("input_backward",
                     lambda: deferred.backward_input(roots, grads, leaves, t.params, p), record)
+            t.weight_bytes = p.nbytes
         for t, p in zip(reversed(timed), reversed(pendings)):
             t.timed("weight_backward", lambda: deferred.run_weight(p.entries, calls=p.calls), record)
     finally:
@@ -177,12 +188,19 @@ def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,
         part = slice(start, start + window)
         for i in range(warmup + repeats):
             _run_window(timed[part], inputs[part], device, record=i >= warmup)
-    layers = []
+    # Bytes saved: each layer on the layer before's output itself, as a
+    # stage runs them, so what both save (one's output, the other's input)
+    # is seen once (``shared_bytes``).
+    layers, before, previous = [], set(), None
     for t, value in zip(timed, inputs):
         saved = SavedBytes(t.layer.parameters())
-        leaves, spec = _leaves(value, device, t.first)
+        if previous is None:
+            leaves, spec = _leaves(value, device, t.first)
+            previous = mbatch.unflatten(leaves, spec)
         with saved.counting():
-            out = t.layer(mbatch.unflatten(leaves, spec))
+            out = t.layer(previous)
+        shared = sum(n for _, n in saved.seen & before)
+        before, previous = saved.seen, out
         for p in t.params:
             p.grad = None  # profiling must not leave gradients behind
         tensors, _ = mbatch.flatten(out)
@@ -191,6 +209,8 @@ def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,
             param_bytes=sum(p.numel() * p.element_size() for p in t.layer.parameters()),
             activation_bytes=saved.total,
             output_bytes=sum(x.numel() * x.element_size() for x in tensors),
+            weight_bytes=t.weight_bytes,
+            shared_bytes=shared,
         ))
     return layers
 

@@ -233,13 +233,12 @@ class Chain:
         return h, saved
 
     def saved_bytes(self, saved: Sequence[torch.Tensor]) -> int:
-        """Bytes held for backward, counted as autograd's saved-tensor hooks
-        count them (a tensor two ops save counts twice; see
-        ``fastpipe.runtime.memory``), so memory stats and the planner's
-        profile read the same whichever path ran."""
+        """Bytes held for backward, counted as ``fastpipe.runtime.memory``
+        counts autograd's (a tensor two ops save counts once), so memory
+        stats and the planner's profile read the same whichever path ran."""
         if self._bound:
             return self._program.saved_bytes(saved)
-        return sum(t.numel() * t.element_size() for t in saved)
+        return sum(n for _, n in {(t.data_ptr(), t.nbytes) for t in saved})
 
     def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
                        ) -> tuple[torch.Tensor | None, deferred.Pending]:

@@ -240,18 +240,22 @@ class Pending:
         """The deferred calls: entries and the blocks' calls."""
         return len(self.entries) + sum(map(len, self.calls))
 
-    @property
-    def kept_bytes(self) -> int:
-        """Bytes the forward kept for W (what autograd would have saved for
-        the weight gradients: the executor books them as saved activations)."""
-        return (sum(t.numel() * t.element_size() for e in self.entries for t in e.saved)
-                + sum(c.kept_bytes for c in self.calls))
+    def spans(self) -> set[tuple[int, int]]:
+        """(address, bytes) of each distinct tensor W reads: what the forward
+        kept and, once I has run, the output gradients. A tensor two calls
+        read (one input of three projections, one gradient of two outputs
+        that meet in a sum) is one span."""
+        out = {(t.data_ptr(), t.nbytes) for e in self.entries for t in (*e.saved, e.g)
+               if t is not None}
+        for c in self.calls:
+            out.update(c.spans)
+        return out
 
     @property
-    def grad_bytes(self) -> int:
-        """Bytes of the output gradients kept for W (what I adds to memory)."""
-        return (sum(e.g.numel() * e.g.element_size() for e in self.entries)
-                + sum(c.grad_bytes for c in self.calls))
+    def nbytes(self) -> int:
+        """Bytes W holds: after F, what the forward kept for it; after I,
+        that and the output gradients (the executor books them until W)."""
+        return sum(n for _, n in self.spans())
 
 
 def linear_work(module: nn.Linear) -> tuple:

@@ -318,14 +318,16 @@ class RankExecutor(StageCompute):
         last = self.schedule.stages - 1
         self._known_loss = known_loss(loss_fn) if train and self.known_losses and last in self._chains \
             else None
-        # A split schedule (I and W actions), or fused_wgrad: the other
-        # stages' layers defer their weight gradients to W, or to the end of
-        # B (``fastpipe.runtime.deferred``). A stage with hooks on a
-        # parameter's AccumulateGrad node keeps autograd's backward (all in
-        # I): only autograd's own accumulation runs them.
+        # A split schedule (I and W actions), or fused_wgrad: the stages'
+        # layers defer their weight gradients to W, or to the end of B
+        # (``fastpipe.runtime.deferred``); a chain stage's too, for the
+        # microbatches it runs through autograd (checkpointed ones, inputs
+        # the chain does not take). A stage with hooks on a parameter's
+        # AccumulateGrad node keeps autograd's backward (all in I): only
+        # autograd's own accumulation runs them.
         split = train and (self.fused_wgrad or any(a.kind is Kind.W for a in self.actions))
-        self._defers = {i for i, st in self.stages.items() if i not in self._chains
-                        and not accumulator_hooked(st.params)} if split else set()
+        self._defers = {i for i, st in self.stages.items()
+                        if not accumulator_hooked(st.params)} if split else set()
         installed = [deferred.install(self.stages[i].module, self.stages[i].forwards)
                      for i in sorted(self._defers)]
         self.transport.begin(self.actions)
@@ -454,6 +456,12 @@ class RankExecutor(StageCompute):
         added = self._saved_bytes.total - start
         self._activations[key] = self._activations.get(key, 0) + added
         self.live_activation_bytes += added
+        self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
+
+    def _rebook(self, key: tuple[int, int], nbytes: int) -> None:
+        """``key`` holds ``nbytes`` from now on, in place of what it was booked."""
+        self.live_activation_bytes += nbytes - self._activations.get(key, 0)
+        self._activations[key] = nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
 
     def _hold(self, delta: int) -> None:

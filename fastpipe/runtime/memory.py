@@ -1,7 +1,9 @@
 """Counting the bytes autograd saves for backward, parameters excluded.
 
 A saved parameter is often a view of it (``weight.t()`` for a Linear), so
-parameters are recognised by storage, not by identity.
+parameters are recognised by storage, not by identity. A tensor saved twice
+(by two nodes, or by autograd and a deferred layer's W) counts once: tensors
+are told apart by address and size.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class SavedBytes:
     The hooks chain to any saved-tensor hooks already active on the thread
     (offloading, for instance), so counting changes nothing else. ``params``
     is iterated at the first count (a generator over modules then sees the
-    parameters they hold at that moment).
+    parameters they hold at that moment). Each ``counting()`` starts a new
+    set of tensors seen (``seen``: their (address, bytes)); ``add`` counts more of them into it after the fact.
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
@@ -34,20 +37,29 @@ class SavedBytes:
         # step before the rank's first action, would walk them each time.
         self._given = params
         self._params: set[int] | None = None
+        self.seen: set[tuple[int, int]] = set()
         self.total = 0
 
     def _pack(self, t: torch.Tensor):
         if self._params is None:
             self._params = {_storage(p) for p in self._given}
         if _storage(t) not in self._params:
-            self.total += t.numel() * t.element_size()
+            self.add(((t.data_ptr(), t.nbytes),))
         return self._outer[0](t) if self._outer else t
 
     def _unpack(self, packed):
         return self._outer[1](packed) if self._outer else packed
 
+    def add(self, spans: Iterable[tuple[int, int]]) -> None:
+        """Counts the (address, bytes) ``spans`` not yet seen since ``counting()``."""
+        for span in spans:
+            if span not in self.seen:
+                self.seen.add(span)
+                self.total += span[1]
+
     @contextmanager
     def counting(self) -> Iterator[SavedBytes]:
+        self.seen = set()
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self

@@ -93,9 +93,12 @@ class StageCompute:
                 self._saved_bytes.total += known
             else:
                 if pending is not None:  # what deferred layers kept, beside autograd's
-                    self._saved_bytes.total += pending.kept_bytes
-                if ckpt:  # the kept input is what a checkpointed microbatch holds
-                    self._saved_bytes.total += sum(t.numel() * t.element_size() for t in leaves)
+                    self._saved_bytes.add(pending.spans())
+                if ckpt:  # the kept input is what a checkpointed microbatch holds,
+                    # beyond the caller's own batch (a first stage's input on its device)
+                    self._saved_bytes.total += sum(
+                        t.nbytes for i, t in enumerate(leaves)
+                        if a.stage or t.data_ptr() != tensors[i].data_ptr())
                 stage.saved_bytes[shape_key] = self._saved_bytes.total - start
             self._count((a.stage, mb), start)
         if last:
@@ -236,7 +239,7 @@ class StageCompute:
             self._saved_bytes.total += known
         else:
             if saved.pending is not None:  # what deferred layers kept, beside autograd's
-                self._saved_bytes.total += saved.pending.kept_bytes
+                self._saved_bytes.add(saved.pending.spans())
             stage.saved_bytes[shape_key] = self._saved_bytes.total - start
         self._count((stage_index, mb), start)
 
@@ -274,6 +277,7 @@ class StageCompute:
             # runs, not after: W only feeds this rank's .grad.
             self._send_b(a)
         if pending is not None:
+            self._rebook(key, 0)  # the forward's went with I; what W reads is the queue's
             self._queue_weight(self.stages[a.stage], pending)
 
     def _backward_input(self, a: Action) -> None:
@@ -286,7 +290,13 @@ class StageCompute:
         pending = self._input_grads(a, saved)
         if pending is None:
             pending = deferred.Pending()
-        self._hold(pending.grad_bytes)
+        # Autograd's saved tensors went with I: the microbatch now holds
+        # what W reads (``Pending.nbytes``), the same for the same shapes.
+        shape_key = ("W", saved.chain is not None, *[(t.shape, t.dtype) for t in saved.leaves])
+        held = self.stages[a.stage].saved_bytes.get(shape_key)
+        if held is None:
+            held = self.stages[a.stage].saved_bytes[shape_key] = pending.nbytes
+        self._rebook(key, held)
         self._weights[key] = pending
 
     def _input_grads(self, a: Action, saved: Saved) -> deferred.Pending | None:
@@ -307,8 +317,9 @@ class StageCompute:
         return pending
 
     def _backward_weight(self, a: Action) -> None:
-        pending = self._weights.pop((a.stage, a.microbatch))
-        self._hold(-pending.grad_bytes)
+        key = (a.stage, a.microbatch)
+        pending = self._weights.pop(key)
+        self._rebook(key, 0)  # from here the queue books what waits
         self._queue_weight(self.stages[a.stage], pending)
 
     def _queue_weight(self, stage: Stage, pending: deferred.Pending) -> None:
