@@ -1,0 +1,134 @@
+"""What a step holds: ``Pipe.memory_stats()``'s activation peak against the heap's.
+
+Two gloo ranks on 127.0.0.1, one intra-op thread each, the workload, split
+and orders of ``python -m bench pipelining``. After warm-up steps, each
+measured step samples glibc's bytes in use (``mallinfo2``: small blocks and
+mmapped ones) after every action of the rank's list; the step's growth is
+its highest sample less the sample before it, and the report gives, per
+schedule and rank, the least growth over ``--repeats`` steps (the
+allocator's own noise only adds) next to the activation peak the executor
+booked. They should agree: what the executor books is what the planner walks
+(``fastpipe.plan``) and what a user sizes a memory limit by.
+
+    python -m bench memory [--model gpt] [--workload compute|overhead]
+                           [--schedules 1f1b,zb-h1,zb-h2,zbv] [--repeats N]
+
+Linux with glibc 2.33 or later only (``mallinfo2``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+import torch.distributed as dist
+
+from bench._runner import spawn, workload_parser
+from bench._workloads import WORKLOADS, selected
+from bench.pipelining import SCHEDULES, TWO_STAGES, balance, describe_orders, order
+
+_FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+           "fordblks", "keepcost")
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _FIELDS]
+
+
+def _heap_reader():
+    """A function returning the bytes malloc has handed out, or None without glibc's mallinfo2."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+
+    def in_use() -> int:
+        info = fn()
+        return info.uordblks + info.hblkhd
+
+    return in_use
+
+
+def _sampling(in_use, peak: list[int]):
+    """Makes every RankExecutor made from now on sample the heap after each action."""
+    from fastpipe.runtime.executor import RankExecutor
+
+    made = RankExecutor.__init__
+
+    def init(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+
+        def sampled(verb):
+            def run(executor, action):
+                out = verb(executor, action)
+                peak[0] = max(peak[0], in_use())
+                return out
+            return run
+
+        self._verbs = {kind: sampled(verb) for kind, verb in self._verbs.items()}
+
+    RankExecutor.__init__ = init
+
+
+def _measure(w, schedule: str, bal, runs, warmup: int, steps: int, in_use, peak: list[int]):
+    from fastpipe import Pipe
+
+    x, y = w.data()
+    spr = 2 if schedule in TWO_STAGES else None
+    pipe = Pipe(w.build(), chunks=w.chunks, schedule=runs, balance=bal, stages_per_rank=spr)
+    try:
+        for _ in range(warmup):
+            pipe.step(x, y, w.loss_fn)
+        growth = []
+        for _ in range(steps):
+            base = peak[0] = in_use()
+            pipe.step(x, y, w.loss_fn)
+            growth.append(peak[0] - base)
+        booked = pipe.memory_stats()[pipe.rank]["activations_peak"]
+    finally:
+        pipe.close()
+    return min(growth), booked
+
+
+def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps):
+    torch.set_num_threads(1)
+    in_use, peak = _heap_reader(), [0]
+    _sampling(in_use, peak)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    w = WORKLOADS[name]
+    try:
+        results = {s: _measure(w, s, bal, orders[s], warmup, steps, in_use, peak)
+                   for s, bal in balances.items()}
+    finally:
+        dist.destroy_process_group()
+    queue.put((rank, results))
+
+
+def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    balances = {s: balance(w, s, ranks) for s in schedules}
+    orders = {s: order(w, s, balances[s], ranks, by_cost) for s in schedules}
+    per_rank = spawn(ranks, _rank_main, w.name, balances, orders, warmup, steps)
+    print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; least heap growth of "
+          f"{steps} steps and the booked activation peak, MB")
+    print(describe_orders(orders))
+    print(f"  {'schedule':<18}{'rank':>5}{'heap':>9}{'booked':>9}{'booked/heap':>13}")
+    for schedule in schedules:
+        for rank in range(ranks):
+            heap, booked = per_rank[rank][schedule]
+            ratio = f"{booked / heap:>13.2f}" if heap > 0 else f"{'-':>13}"
+            print(f"  {schedule if rank == 0 else '':<18}{rank:>5}{heap / 2**20:>9.2f}"
+                  f"{booked / 2**20:>9.2f}{ratio}")
+
+
+def main(argv=None) -> int:
+    parser = workload_parser("python -m bench memory", __doc__, SCHEDULES)
+    args = parser.parse_args(argv)
+    if _heap_reader() is None:
+        raise SystemExit("bench memory needs glibc's mallinfo2 (glibc 2.33 or later)")
+    for w in selected(args):
+        run(w, args.schedules.split(","), args.warmup, args.repeats, by_cost=not args.built_in_order)
+    return 0
