@@ -11,7 +11,12 @@ booked. They should agree: what the executor books is what the planner walks
 (``fastpipe.plan``) and what a user sizes a memory limit by.
 
     python -m bench memory [--model gpt] [--workload compute|overhead]
-                           [--schedules 1f1b,zb-h1,zb-h2,zbv] [--repeats N]
+                           [--schedules 1f1b,zb-h1,zb-h2,zbv] [--repeats N] [--lean]
+
+``--lean`` also runs each zero-bubble schedule's lean order
+(``build(lean=True)``: no microbatch waits for its W beyond the in-flight
+count), as "zbv lean". The step's median time is printed beside (the
+sampling adds the same small cost to every action).
 
 Linux with glibc 2.33 or later only (``mallinfo2``).
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -82,15 +89,17 @@ def _measure(w, schedule: str, bal, runs, warmup: int, steps: int, in_use, peak:
     try:
         for _ in range(warmup):
             pipe.step(x, y, w.loss_fn)
-        growth = []
+        growth, times = [], []
         for _ in range(steps):
             base = peak[0] = in_use()
+            start = time.perf_counter()
             pipe.step(x, y, w.loss_fn)
+            times.append(time.perf_counter() - start)
             growth.append(peak[0] - base)
         booked = pipe.memory_stats()[pipe.rank]["activations_peak"]
     finally:
         pipe.close()
-    return min(growth), booked
+    return min(growth), booked, statistics.median(times)
 
 
 def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps):
@@ -100,35 +109,46 @@ def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     w = WORKLOADS[name]
     try:
-        results = {s: _measure(w, s, bal, orders[s], warmup, steps, in_use, peak)
-                   for s, bal in balances.items()}
+        results = {label: _measure(w, label.split()[0], balances[label.split()[0]], runs, warmup,
+                                   steps, in_use, peak)
+                   for label, runs in orders.items()}
     finally:
         dist.destroy_process_group()
     queue.put((rank, results))
 
 
-def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True) -> None:
+def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True,
+        lean: bool = False) -> None:
+    from fastpipe.schedules import orders_by_cost
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     balances = {s: balance(w, s, ranks) for s in schedules}
-    orders = {s: order(w, s, balances[s], ranks, by_cost) for s in schedules}
+    orders = {}
+    for s in schedules:
+        orders[s] = order(w, s, balances[s], ranks, by_cost)
+        if lean and orders_by_cost(s):
+            orders[f"{s} lean"] = order(w, s, balances[s], ranks, by_cost, lean=True)
     per_rank = spawn(ranks, _rank_main, w.name, balances, orders, warmup, steps)
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; least heap growth of "
-          f"{steps} steps and the booked activation peak, MB")
-    print(describe_orders(orders))
-    print(f"  {'schedule':<18}{'rank':>5}{'heap':>9}{'booked':>9}{'booked/heap':>13}")
-    for schedule in schedules:
+          f"{steps} steps and the booked activation peak, MB; median step, ms")
+    print(describe_orders({s: o for s, o in orders.items() if " " not in s}))
+    print(f"  {'schedule':<18}{'rank':>5}{'heap':>9}{'booked':>9}{'booked/heap':>13}{'step':>9}")
+    for label in orders:
         for rank in range(ranks):
-            heap, booked = per_rank[rank][schedule]
+            heap, booked, step = per_rank[rank][label]
             ratio = f"{booked / heap:>13.2f}" if heap > 0 else f"{'-':>13}"
-            print(f"  {schedule if rank == 0 else '':<18}{rank:>5}{heap / 2**20:>9.2f}"
-                  f"{booked / 2**20:>9.2f}{ratio}")
+            print(f"  {label if rank == 0 else '':<18}{rank:>5}{heap / 2**20:>9.2f}"
+                  f"{booked / 2**20:>9.2f}{ratio}{step * 1e3:>9.1f}")
 
 
 def main(argv=None) -> int:
     parser = workload_parser("python -m bench memory", __doc__, SCHEDULES)
+    parser.add_argument("--lean", action="store_true",
+                        help="also run each zero-bubble schedule's lean order (build(lean=True))")
     args = parser.parse_args(argv)
     if _heap_reader() is None:
         raise SystemExit("bench memory needs glibc's mallinfo2 (glibc 2.33 or later)")
     for w in selected(args):
-        run(w, args.schedules.split(","), args.warmup, args.repeats, by_cost=not args.built_in_order)
+        run(w, args.schedules.split(","), args.warmup, args.repeats, by_cost=not args.built_in_order,
+            lean=args.lean)
     return 0

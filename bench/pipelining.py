@@ -62,22 +62,24 @@ def balance(w: Workload, schedule: str, ranks: int = 2) -> list[int]:
     return w.balance(build(schedule, ranks, w.chunks, stages_per_rank=spr))
 
 
-def order(w: Workload, schedule: str, bal: list[int], ranks: int = 2, by_cost: bool = True):
+def order(w: Workload, schedule: str, bal: list[int], ranks: int = 2, by_cost: bool = True,
+          lean: bool = False):
     """What fastpipe runs for ``schedule`` over ``bal``: the name, or a
     zero-bubble ``Schedule`` ordered by the workload's measured stage costs
     where that simulates faster, as ``fastpipe.plan`` chooses
-    (``fastpipe._plan.ordered``); always the name when not ``by_cost``."""
+    (``fastpipe._plan.ordered``); always the name when not ``by_cost``.
+    ``lean``: the schedule's lean order (``build(lean=True)``), likewise."""
     from bench._workloads import _profile
     from fastpipe._plan import _cost_fn, _stage_sums, ordered
     from fastpipe.schedules import build
 
-    if not by_cost:
-        return schedule
     spr = 2 if schedule in TWO_STAGES else 1
-    built = build(schedule, ranks, w.chunks, stages_per_rank=spr)
+    if not by_cost:
+        return build(schedule, ranks, w.chunks, stages_per_rank=spr, lean=True) if lean else schedule
+    built = build(schedule, ranks, w.chunks, stages_per_rank=spr, lean=lean)
     cost = _cost_fn(_stage_sums(_profile(w.name), bal), "never", w.chunks, built, 0.0)
-    chosen = ordered(built, cost)[0]
-    return schedule if chosen is built else chosen
+    chosen = ordered(built, cost, lean=lean)[0]
+    return schedule if chosen is built and not lean else chosen
 
 
 def describe_orders(orders: dict) -> str:

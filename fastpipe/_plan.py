@@ -35,8 +35,9 @@ __all__ = ["Candidate", "Plan", "balance_for", "order_for", "ordered", "parse_by
 class Candidate:
     """One point of the search, with what the simulator and the memory walk
     predict. ``order`` is the zero-bubble schedule ordered by the stage costs
-    where that simulated faster than the built-in order (``ordered``), which
-    ``Pipe(plan=...)`` then runs; None for the built-in order."""
+    where that simulated faster than the built-in order (``ordered``), or its
+    lean variant (``lean``), which ``Pipe(plan=...)`` then runs; None for the
+    built-in order."""
 
     schedule: str
     chunks: int
@@ -47,6 +48,7 @@ class Candidate:
     bubble_ratio: float
     memory: tuple[int, ...]  # peak bytes per rank
     order: Schedule | None = field(default=None, compare=False, repr=False)
+    lean: bool = False  # the order is ``build(..., lean=True)``'s: less held for W
 
     def fits(self, limit: int | None) -> bool:
         return limit is None or max(self.memory) <= limit
@@ -98,12 +100,13 @@ class Plan:
         for c in self.candidates[:top]:
             mark = "*" if c == self.best else " " if c.fits(self.memory_limit) else "x"
             mem = " / ".join(format_bytes(m) for m in c.memory)
-            name = c.schedule + ("~" if c.order is not None else "")
+            name = c.schedule + (" lean" if c.lean else "~" if c.order is not None else "")
             rows.append(f"{mark:2}{name:<18}{c.chunks:>7}{c.checkpoint:>12}"
                         f"{c.step_seconds * 1e3:>10.2f}{c.bubble_ratio:>8.3f}{mem:>22}  {list(c.balance)}")
         limit = "none" if self.memory_limit is None else format_bytes(self.memory_limit)
         rows.append(f"  (* chosen, x over the memory limit: {limit}; ~ ordered by the measured "
-                    f"costs; {len(self.candidates)} candidates)")
+                    f"costs; lean: no more held for W than the F-to-I cap; "
+                    f"{len(self.candidates)} candidates)")
         if self.why_one_chunk() is not None:
             rows.append(f"  {self.why_one_chunk()}")
         text = "\n".join(rows)
@@ -199,7 +202,7 @@ def balance_for(prof: Profile, schedule: Schedule, speeds: Sequence[float] | Non
 
 
 def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
-            latency: float = 0.0) -> tuple[Schedule, Simulation]:
+            latency: float = 0.0, lean: bool = False) -> tuple[Schedule, Simulation]:
     """The order to run for these costs, and its simulation: for a zero-bubble
     schedule, the list scheduler's order for ``cost`` (``build(costs=)``)
     where it simulates faster than ``schedule`` with no rank holding more
@@ -215,6 +218,8 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
         cost: ``(action) -> seconds``, as ``Schedule.simulate`` takes it.
         speeds: per-rank speed factors.
         latency: seconds a message takes.
+        lean: ``schedule`` is a lean one (``build(lean=True)``): so is its
+            order by cost.
     """
     speeds = [1.0] * schedule.ranks if speeds is None else list(speeds)
     sim = schedule.simulate(cost, rank_speed=speeds, latency=latency)
@@ -223,7 +228,7 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
     owner = schedule.stage_to_rank
     by_cost = build(schedule.name, schedule.ranks, schedule.microbatches,
                     schedule.stages // schedule.ranks,
-                    costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency)
+                    costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency, lean=lean)
     other = by_cost.simulate(cost, rank_speed=speeds, latency=latency)
     # Never more in flight than the built-in order (the policy may run a
     # forward past its cap rather than stall).
@@ -361,11 +366,21 @@ def plan(
                     continue  # the same as "never"
                 cost = _cost_fn(sums, mode, m, sched, transfer_cost)
                 chosen, sim = ordered(sched, cost, speeds, latency)
+                memory = tuple(rank_memory(chosen, sums, mode, param_scale))
                 candidates.append(Candidate(
                     name, m, sched.stages // ranks, tuple(balance), mode, sim.makespan,
-                    sim.bubble_ratio, tuple(rank_memory(chosen, sums, mode, param_scale)),
-                    chosen if chosen is not sched else None,
+                    sim.bubble_ratio, memory, chosen if chosen is not sched else None,
                 ))
+                if orders_by_cost(name):
+                    # The lean order (no microbatch past its F-to-I cap
+                    # waiting for W): slower, and smaller where W's bytes weigh.
+                    lean, lean_sim = ordered(build(name, ranks, m, lean=True), cost, speeds,
+                                             latency, lean=True)
+                    lean_memory = tuple(rank_memory(lean, sums, mode, param_scale))
+                    if max(lean_memory) < max(memory):
+                        candidates.append(Candidate(
+                            name, m, sched.stages // ranks, tuple(balance), mode,
+                            lean_sim.makespan, lean_sim.bubble_ratio, lean_memory, lean, lean=True))
     if not candidates:
         raise ValueError(f"no schedule fits {len(prof.layers)} layers on {ranks} ranks")
     candidates.sort(key=lambda c: (not c.fits(limit), c.step_seconds, max(c.memory)))

@@ -271,6 +271,35 @@ def test_memory_after_input_backward_is_what_weight_backward_reads(monkeypatch, 
     assert peaks["F0 I0 F1 I1 W0 W1"] - peaks["F0 I0 W0 F1 I1 W1"] == w_reads, peaks
 
 
+def test_a_memory_limit_can_choose_a_lean_zero_bubble_order():
+    """Under a limit the default zbv order exceeds, the planner picks the
+    lean one (what W reads adds no microbatch), and the run fits and trains
+    as the unsplit model does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
+    x, y = torch.randn(1024, 64), torch.randn(1024, 64)
+    free = plan(model, x, 2, schedules=["zbv"], chunks=[8], checkpoints=["never"])
+    default, lean = [next(c for c in free.candidates if c.lean is flag) for flag in (False, True)]
+    assert max(lean.memory) < 0.8 * max(default.memory)
+    limit = (max(lean.memory) + max(default.memory)) // 2
+    tight = plan(model, x, 2, memory_limit=limit, schedules=["zbv"], chunks=[8],
+                 checkpoints=["never"], prof=free.profile)
+    assert tight.best.lean and "zbv lean" in tight.explain()
+    want_loss, want = reference(model, x, y, nn.functional.mse_loss, 8)
+    model.zero_grad(set_to_none=True)
+    pipe = Pipe(model, plan=tight, devices=["cpu", "cpu"])
+    try:
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        stats = pipe.memory_stats()
+    finally:
+        pipe.close()
+    for rank, s in stats.items():
+        assert s["peak"] <= limit, (rank, s, limit)
+    torch.testing.assert_close(loss, want_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
+
+
 def test_memory_stats_follow_checkpointing():
     torch.manual_seed(0)
     x, y = torch.randn(16, 5, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)

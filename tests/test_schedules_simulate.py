@@ -197,6 +197,31 @@ def test_timeline_respects_every_dependency(
     assert math.isclose(sim.bubble_ratio, sum(sim.idle) / (p * sim.makespan))
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zbv"])
+def test_lean_orders_hold_no_more_for_w_than_their_f_to_i_cap(name: str) -> None:
+    caps = {"zb-h1": lambda p, r: p - r, "zb-h2": lambda p, r: 2 * (p - r) - 1,
+            "zbv": lambda p, r: 2 * p}[name]
+    for p, m in SIZES:
+        for costs in (None, {"F": 1.0, "I": 1.0, "W": 0.25}):
+            lean = build(name, p, m, costs=costs, lean=True)
+            lean.validate()
+            for rank, row in enumerate(lean.actions):
+                held = peak = 0
+                for a in row:
+                    held += {Kind.F: 1, Kind.W: -1}.get(a.kind, 0)
+                    peak = max(peak, held)
+                assert peak <= min(caps(p, rank), m * len(lean.stages_of(rank))), (p, m, rank)
+            # What the default's extra W slots buy: never a slower unit-cost step
+            assert build(name, p, m).simulate(SPLIT_UNIT).makespan <= lean.simulate(SPLIT_UNIT).makespan
+
+
+def test_lean_is_for_the_zero_bubble_schedules_and_a_bool() -> None:
+    with pytest.raises(ValueError, match="'1f1b' has a fixed order; costs, latency and lean"):
+        build("1f1b", 2, 4, lean=True)
+    with pytest.raises(ValueError, match="lean must be a bool, got 1"):
+        build("zbv", 2, 4, lean=1)
+
+
 # --- zero-bubble schedules ordered by costs -------------------------------------
 
 CHEAP_W = {"F": 1.0, "I": 1.0, "W": 0.25}  # a transformer layer's W is often a quarter of F

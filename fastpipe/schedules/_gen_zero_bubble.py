@@ -8,6 +8,11 @@ at F = I = W = 1 per stage and were measured for every
 ``p <= 8``, ``m <= 32`` (``tests/test_schedules_simulate.py`` checks them).
 Both caps bound memory: "between F and I" is the full activations, the
 ``peak_inflight`` of a simulation; "between F and W" adds what W still needs.
+``lean=True`` sets the second cap to the first: a microbatch waiting for its
+W then counts as a whole one, so a rank never holds more microbatches, in
+any state, than its F-to-I cap (1F1B's count for ZB-H1 and ZB-V), even where
+W's inputs and gradients weigh as much as the activations (a vocabulary
+head's); the price is some of the bubble the extra W slots filled.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ __all__ = ["zb_h1", "zb_h2", "zbv"]
 
 
 def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
-          latency: float = 0.0) -> Schedule:
+          latency: float = 0.0, lean: bool = False) -> Schedule:
     """ZB-H1: 1F1B's activation memory, W filling the drain; a third of 1F1B's bubble.
 
     Caps: ``p - r`` microbatches between F and I on rank ``r`` (1F1B's
@@ -42,17 +47,18 @@ def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs 
         stages_per_rank: Must be 1 (checked by ``build``).
         costs, latency: what the list scheduler orders by (``build``); the
             figures above are for unit costs.
+        lean: the F-to-W cap equal to the F-to-I cap (module docstring).
 
     Returns:
         The schedule.
     """
     caps = [ranks - r for r in range(ranks)]
-    holds = [ranks + (ranks + 1) // 2] * ranks
+    holds = caps if lean else [ranks + (ranks + 1) // 2] * ranks
     return list_schedule("zb-h1", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency)
 
 
 def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
-          latency: float = 0.0) -> Schedule:
+          latency: float = 0.0, lean: bool = False) -> Schedule:
     """ZB-H2: more warm-up forwards so that no rank ever waits once it has started.
 
     Caps: ``2 (p - r) - 1`` between F and I on rank ``r`` (rank 0 holds
@@ -74,17 +80,18 @@ def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs 
         stages_per_rank: Must be 1 (checked by ``build``).
         costs, latency: what the list scheduler orders by (``build``); the
             figures above are for unit costs.
+        lean: the F-to-W cap equal to the F-to-I cap (module docstring).
 
     Returns:
         The schedule.
     """
     caps = [2 * (ranks - r) - 1 for r in range(ranks)]
-    holds = [2 * ranks - 1] * ranks
+    holds = caps if lean else [2 * ranks - 1] * ranks
     return list_schedule("zb-h2", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency)
 
 
 def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2, costs: Costs | None = None,
-        latency: float = 0.0) -> Schedule:
+        latency: float = 0.0, lean: bool = False) -> Schedule:
     """ZB-V: V placement and I/W split, 1F1B's memory, zero bubble.
 
     Rank ``r`` holds stages ``r`` and ``2 p - 1 - r``, each half of a 1F1B
@@ -105,10 +112,11 @@ def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2, costs: Costs | 
         stages_per_rank: Must be 2 (checked by ``build``).
         costs, latency: what the list scheduler orders by (``build``); the
             figures above are for unit costs.
+        lean: the F-to-W cap equal to the F-to-I cap (module docstring).
 
     Returns:
         The schedule.
     """
     caps = [2 * ranks] * ranks
-    holds = [2 * ranks + 3 + r for r in range(ranks)]
+    holds = caps if lean else [2 * ranks + 3 + r for r in range(ranks)]
     return list_schedule("zbv", microbatches, v_placement(ranks), caps, holds, costs, latency)

@@ -56,7 +56,7 @@ def orders_by_cost(name: str) -> bool:
 
 
 def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
-          costs: Costs | None = None, latency: float = 0.0) -> Schedule:
+          costs: Costs | None = None, latency: float = 0.0, lean: bool = False) -> Schedule:
     """Generate the schedule ``name`` for ``ranks`` ranks and ``microbatches`` microbatches.
 
     Args:
@@ -76,6 +76,11 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
             unit-cost order keeps forwards waiting for W slots that end long
             before the next input arrives. ``None``: unit costs.
         latency: with ``costs``, the time a value takes to reach another rank.
+        lean: zero-bubble schedules only: a rank never holds more
+            microbatches between F and W than between F and I, so what W
+            reads adds no microbatch to the peak (1F1B's count for zb-h1 and
+            zbv), for some of the bubble the extra W slots filled
+            (``fastpipe.plan`` weighs the two under a ``memory_limit``).
 
     Returns:
         The compute-only schedule; stage ``s`` of an interleaved or looped
@@ -104,15 +109,17 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
             f"schedule {name!r} has exactly {entry.default_v} stage(s) per rank, got "
             f"stages_per_rank={v}; pass {entry.default_v} or None"
         )
-    if costs is None and latency == 0.0:
+    if not isinstance(lean, bool):
+        raise ValueError(f"lean must be a bool, got {lean!r} (schedule {name!r})")
+    if costs is None and latency == 0.0 and not lean:
         return entry.generator(ranks, microbatches, v)
     if not entry.by_cost:
         ordered = ", ".join(n for n, e in _REGISTRY.items() if e.by_cost)
-        raise ValueError(f"schedule {name!r} has a fixed order; costs and latency order only "
-                         f"{ordered}")
+        raise ValueError(f"schedule {name!r} has a fixed order; costs, latency and lean apply "
+                         f"only to {ordered}")
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
         raise ValueError(f"latency must be a number >= 0, got {latency!r}")
-    return entry.generator(ranks, microbatches, v, costs=costs, latency=float(latency))
+    return entry.generator(ranks, microbatches, v, costs=costs, latency=float(latency), lean=lean)
 
 
 def _is_int(value: object) -> bool:
