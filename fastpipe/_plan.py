@@ -361,6 +361,9 @@ def plan(
             scaled = prof.scaled(batch // m)
             balance = balance_for(scaled, sched, speeds, latency=latency, transfer_cost=transfer_cost)
             sums = _stage_sums(scaled, balance)
+            # Its lean order too (no microbatch past its F-to-I cap waiting
+            # for W): slower, and smaller where what W reads weighs.
+            lean_sched = build(name, ranks, m, lean=True) if orders_by_cost(name) else None
             for mode in checkpoints:
                 if mode == "except_last" and m == 1:
                     continue  # the same as "never"
@@ -371,11 +374,8 @@ def plan(
                     name, m, sched.stages // ranks, tuple(balance), mode, sim.makespan,
                     sim.bubble_ratio, memory, chosen if chosen is not sched else None,
                 ))
-                if orders_by_cost(name):
-                    # The lean order (no microbatch past its F-to-I cap
-                    # waiting for W): slower, and smaller where W's bytes weigh.
-                    lean, lean_sim = ordered(build(name, ranks, m, lean=True), cost, speeds,
-                                             latency, lean=True)
+                if lean_sched is not None:
+                    lean, lean_sim = ordered(lean_sched, cost, speeds, latency, lean=True)
                     lean_memory = tuple(rank_memory(lean, sums, mode, param_scale))
                     if max(lean_memory) < max(memory):
                         candidates.append(Candidate(

@@ -28,7 +28,8 @@ class SavedBytes:
     (offloading, for instance), so counting changes nothing else. ``params``
     is iterated at the first count (a generator over modules then sees the
     parameters they hold at that moment). Each ``counting()`` starts a new
-    set of tensors seen (``seen``: their (address, bytes)); ``add`` counts more of them into it after the fact.
+    set of the tensors seen (``seen``, their (address, bytes)); ``add``
+    counts more tensors into it after the fact.
     """
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
