@@ -121,7 +121,8 @@ def _chunk_options(batch: int, ranks: int) -> list[int]:
 
 
 def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]:
-    sums = {"F": [], "B": [], "I": [], "W": [], "act": [], "param": [], "input": [], "weight": []}
+    sums = {"F": [], "B": [], "I": [], "W": [], "act": [], "param": [], "input": [], "weight": [],
+            "rows": [], "limit": []}
     start = 0
     for n in balance:
         layers = prof.layers[start : start + n]
@@ -134,6 +135,9 @@ def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]
         sums["act"].append(sum(x.activation_bytes for x in layers)
                            - sum(x.shared_bytes for x in layers[1:]))
         sums["weight"].append(sum(x.weight_bytes for x in layers))
+        # The stage's WeightQueue: the most rows of a layer, the least limit.
+        sums["rows"].append(max((x.gather_rows for x in layers), default=0))
+        sums["limit"].append(min((x.gather_limit for x in layers if x.gather_limit), default=0))
         sums["param"].append(sum(x.param_bytes for x in layers))
         sums["input"].append(prof.layers[start - 1].output_bytes if start else 0)
         start += n
@@ -258,6 +262,9 @@ def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list
     A microbatch holds its stage's activations from F to its B, or to its I,
     and then what W reads (``LayerProfile.weight_bytes``) until its W;
     checkpointed, it holds only its input until its B/I recomputes the rest.
+    From its B or W on, what W reads waits in the stage's queue while the
+    rows waiting stay under the queue's limit (``deferred.WeightQueue``: B
+    defers too, ``Pipe(fused_wgrad=True)``, the default).
     """
     peaks = []
     for rank, row in enumerate(schedule.actions):
@@ -268,6 +275,7 @@ def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list
             last[(a.stage, a.microbatch)] = i
         live = peak = 0
         alive: dict[tuple[int, int], int] = {}
+        queued: dict[int, tuple[int, int]] = {}  # stage -> (rows, bytes) waiting to gather
         for i, a in enumerate(row):
             key = (a.stage, a.microbatch)
             ckpt = checkpointed(mode, a.microbatch, schedule.microbatches)
@@ -286,6 +294,16 @@ def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list
                 peak = max(peak, live)
             if last[key] == i:
                 live -= alive.pop(key)
+            if a.kind in (Kind.B, Kind.W):
+                rows, nbytes = queued.get(a.stage, (0, 0))
+                add_rows, limit = sums["rows"][a.stage], sums["limit"][a.stage]
+                if add_rows and rows + add_rows < limit:
+                    queued[a.stage] = (rows + add_rows, nbytes + sums["weight"][a.stage])
+                    live += sums["weight"][a.stage]
+                    peak = max(peak, live)
+                else:  # the queue runs, this microbatch's W with it
+                    queued[a.stage] = (0, 0)
+                    live -= nbytes
         peaks.append(int(static + peak))
     return peaks
 

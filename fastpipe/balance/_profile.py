@@ -49,6 +49,11 @@ class LayerProfile:
     # Of activation_bytes, what the layer before saved too (its output, this
     # one's input): one tensor, counted once where both are in one stage.
     shared_bytes: int = 0
+    # A stage's W waits to be gathered with later microbatches' while the
+    # rows waiting stay under the limit (``deferred.WeightQueue``): this
+    # layer's rows per microbatch and limit, 0 where its W runs at once.
+    gather_rows: int = 0
+    gather_limit: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class Profile:
                 output_bytes=int(layer.output_bytes * factor),
                 weight_bytes=int(layer.weight_bytes * factor),
                 shared_bytes=int(layer.shared_bytes * factor),
+                gather_rows=int(layer.gather_rows * factor),
             ))
         return Profile(tuple(layers), rows, self.device, self.fits)
 
@@ -114,6 +120,7 @@ class _Timed:
         self.layer, self.first = layer, first
         self.device = "cpu"  # the device of the last forward (set there)
         self.weight_bytes = 0  # what its W reads after I (set by the last window)
+        self.gathering = (0, 0)  # WeightQueue.gathering of its W (likewise)
         self.params = [p for p in layer.parameters() if p.requires_grad]
         self.samples: dict[str, list[float]] = {"forward": [], "backward": [],
                                                 "input_backward": [], "weight_backward": []}
@@ -167,7 +174,7 @@ def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None
         for t, (leaves, roots, grads), p in zip(reversed(timed), reversed(graphs), reversed(pendings)):
             t.timed("input_backward",
                     lambda: deferred.backward_input(roots, grads, leaves, t.params, p), record)
-            t.weight_bytes = p.nbytes
+            t.weight_bytes, t.gathering = p.nbytes, deferred.WeightQueue.gathering(p)
         for t, p in zip(reversed(timed), reversed(pendings)):
             t.timed("weight_backward", lambda: deferred.run_weight(p.entries, calls=p.calls), record)
     finally:
@@ -211,6 +218,8 @@ def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,
             output_bytes=sum(x.numel() * x.element_size() for x in tensors),
             weight_bytes=t.weight_bytes,
             shared_bytes=shared,
+            gather_rows=t.gathering[0],
+            gather_limit=t.gathering[1],
         ))
     return layers
 

@@ -424,14 +424,9 @@ class WeightQueue:
         the executor hands back after this W: it is cloned before it waits.
         """
         entries, calls, own = pending.entries, pending.calls, pending.borrowed
-        rows, nbytes, touched, reads = None, None, None, ()
+        rows, nbytes, touched, reads, scans = None, None, None, (), []
         if gather:
-            rows, nbytes, touched = self._scan(entries, own) if entries else (0, 0, [])
-            scans = [c.scan(own) for c in calls]
-            for r, n, _ in scans:
-                rows = None if r is None or rows is None else max(rows, r)
-                nbytes = None if nbytes is None else nbytes + n
-            reads = [c for c, (_, _, read) in zip(calls, scans) if read]
+            rows, nbytes, touched, reads, scans = self._measure(entries, calls, own)
         if not rows or self.rows + rows >= self._limit(entries, calls):
             entries, calls = self.waiting + entries, self.waiting_calls + calls
             pending.entries, pending.calls = [], []
@@ -455,6 +450,26 @@ class WeightQueue:
         self.waiting_calls += calls
         pending.entries, pending.calls = [], []
         self.rows += rows
+
+    def _measure(self, entries: list[Entry], calls: list, own):
+        """(rows or None, bytes or None, entries and calls reading ``own``
+        memory, the calls' scans) of one microbatch's W work."""
+        rows, nbytes, touched = self._scan(entries, own) if entries else (0, 0, [])
+        scans = [c.scan(own) for c in calls]
+        for r, n, _ in scans:
+            rows = None if r is None or rows is None else max(rows, r)
+            nbytes = None if nbytes is None else nbytes + n
+        reads = [c for c, (_, _, read) in zip(calls, scans) if read]
+        return rows, nbytes, touched, reads, scans
+
+    @staticmethod
+    def gathering(pending: Pending) -> tuple[int, int]:
+        """(rows, limit) a stage's queue sees for ``pending``'s W: it waits
+        while the rows waiting stay under ``limit``; (0, 0) where it runs at
+        once. What the planner walks (``LayerProfile.gather_rows``)."""
+        queue = WeightQueue()
+        rows = queue._measure(pending.entries, pending.calls, ())[0]
+        return (rows, queue._limit(pending.entries, pending.calls)) if rows else (0, 0)
 
     @property
     def holds(self) -> bool:
