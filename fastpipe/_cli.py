@@ -157,6 +157,12 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
         "(what plan and balance='auto' may run) instead of the built-in order",
     )
     simulate.add_argument(
+        "--lean",
+        action="store_true",
+        help="zb-h1, zb-h2 and zbv with no microbatch waiting for its weight pass beyond the "
+        "in-flight count (build(lean=True): less memory, a little more bubble)",
+    )
+    simulate.add_argument(
         "--png", metavar="FILE", help="write the timeline to this PNG (needs matplotlib)"
     )
     simulate.add_argument(
@@ -220,6 +226,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     print(f"makespan: {sim.makespan:g}")
     print(f"bubble ratio: {sim.bubble_ratio:.4f}")
     print(f"peak in-flight per rank: {sim.peak_inflight}")
+    if sim.peak_held != sim.peak_inflight:
+        print(f"peak held until W per rank: {sim.peak_held} (what the weight pass reads waits too)")
     for path, write in ((args.png, sim.plot), (args.trace, sim.to_chrome_trace)):
         if path:
             try:
@@ -247,25 +255,28 @@ def _run_compare(args: argparse.Namespace) -> int:
     rows.sort(key=lambda row: (row[0].makespan, row[1].name))
     print(
         f"{'schedule':<18} {'v':>2} {'makespan':>9} {'bubble':>7}  "
-        "peak in-flight (stage-microbatches)"
+        "peak in-flight, then held until W where more (stage-microbatches)"
     )
     for sim, schedule in rows:
         v = schedule.stages // schedule.ranks
+        held = f"  {sim.peak_held}" if sim.peak_held != sim.peak_inflight else ""
         print(
             f"{schedule.name:<18} {v:>2} {sim.makespan:>9g} {sim.bubble_ratio:>7.4f}  "
-            f"{sim.peak_inflight}"
+            f"{sim.peak_inflight}{held}"
         )
     return 0
 
 
 def _built(name: str, args: argparse.Namespace) -> Schedule:
-    """The schedule ``name`` as the command line asks for it (``--by-cost``: ordered for ``--costs``)."""
+    """The schedule ``name`` as the command line asks for it (``--by-cost``:
+    ordered for ``--costs``; ``--lean``: its lean order)."""
     from fastpipe.schedules import build, orders_by_cost
 
-    schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank)
+    lean = bool(getattr(args, "lean", False)) and orders_by_cost(name)
+    schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank, lean=lean)
     if args.by_cost and orders_by_cost(name):
         schedule = build(name, args.ranks, args.microbatches, args.stages_per_rank,
-                         costs=_per_stage(args.costs, schedule))
+                         costs=_per_stage(args.costs, schedule), lean=lean)
     return schedule
 
 

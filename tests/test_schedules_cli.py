@@ -41,6 +41,21 @@ def test_simulate_prints_grid_bubble_and_inflight(capsys) -> None:
     assert "peak in-flight per rank: [8, 8, 8, 8]" in out
 
 
+def test_simulate_lean_holds_nothing_for_w_beyond_the_in_flight_count(capsys) -> None:
+    args = ["simulate", "--schedule", "zbv", "--ranks", "4", "--microbatches", "8"]
+    assert main(args) == 0
+    held = build("zbv", 4, 8).simulate().peak_held
+    assert f"peak held until W per rank: {held}" in capsys.readouterr().out
+    assert max(held) > 8
+    assert main([*args, "--lean"]) == 0
+    out = capsys.readouterr().out
+    assert build("zbv", 4, 8, lean=True).render_text() in out
+    assert "peak in-flight per rank: [8, 8, 8, 8]" in out and "held until W" not in out
+    assert main(["simulate", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4",
+                 "--lean"]) == 0  # a fixed order has nothing to hold for W: lean changes nothing
+    assert build("1f1b", 2, 4).render_text() in capsys.readouterr().out
+
+
 def test_simulate_writes_png_and_trace(tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib")
     png, trace = tmp_path / "s.png", tmp_path / "s.json"

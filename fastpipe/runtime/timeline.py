@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastpipe.schedules import Kind, Schedule, Simulation, TimelineRecord
+from fastpipe.schedules import Schedule, Simulation, TimelineRecord
+from fastpipe.schedules._simulate import inflight_peaks
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -62,22 +63,9 @@ def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> MeasuredS
         idle=idle,
         bubble_ratio=sum(idle) / (ranks * makespan),
         interior_idle=[max(0.0, last[k] - first[k] - busy[k]) for k in range(ranks)],
-        peak_inflight=_peak_inflight(schedule),
+        peak_inflight=inflight_peaks(schedule),
+        peak_held=inflight_peaks(schedule, until_w=True),
         timeline=sorted(compute, key=lambda r: r.start) + sorted(
             (r for r in ms if r.track == "comm"), key=lambda r: r.start
         ),
     )
-
-
-def _peak_inflight(schedule: Schedule) -> list[int]:
-    peaks = []
-    for actions in schedule.actions:
-        live = peak = 0
-        for a in actions:
-            if a.kind == Kind.F:
-                live += 1
-                peak = max(peak, live)
-            elif a.kind in (Kind.B, Kind.I):
-                live -= 1
-        peaks.append(peak)
-    return peaks

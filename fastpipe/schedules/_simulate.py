@@ -48,6 +48,9 @@ class Simulation:
             staggered (the Zero Bubble paper's accounting).
         peak_inflight: Per rank, the most (stage, microbatch) pairs whose F
             has run and whose I or B has not.
+        peak_held: Per rank, the most whose F has run and whose W or B has
+            not: with what W reads, what a split schedule holds (``lean``
+            orders keep it at ``peak_inflight``).
         timeline: Compute records, then, when a P2P model was given
             (``latency != 0`` or a ``bandwidth``), comm records; each group in
             start order.
@@ -60,6 +63,7 @@ class Simulation:
     bubble_ratio: float
     interior_idle: list[float]
     peak_inflight: list[int]
+    peak_held: list[int]
     timeline: list[TimelineRecord]
 
     def to_chrome_trace(self, path: str | Path, us_per_unit: float = 1000.0) -> Path:
@@ -142,6 +146,7 @@ def simulate(
         bubble_ratio=sum(idle) / span if span > 0 else 0.0,
         interior_idle=[max(0.0, e - s - b) for s, e, b in zip(first, last, busy)],
         peak_inflight=inflight_peaks(schedule),
+        peak_held=inflight_peaks(schedule, until_w=True),
         timeline=sorted(compute, key=_order) + (sorted(comm, key=_order) if with_comm else []),
     )
 
@@ -200,11 +205,13 @@ def _raise_stuck(schedule: Schedule, rows: list[list[Action]], ptr: list[int]) -
     raise AssertionError(f"simulation stuck on a schedule that validates: {waits}")
 
 
-def inflight_peaks(schedule: Schedule) -> list[int]:
-    """Per rank, the most (stage, microbatch) pairs between their F and their I or B.
+def inflight_peaks(schedule: Schedule, until_w: bool = False) -> list[int]:
+    """Per rank, the most (stage, microbatch) pairs between their F and their
+    I or B (``until_w``: their W or B).
 
     Counted in list order, which is the rank's execution order.
     """
+    ends = {Kind.B, Kind.W} if until_w else {Kind.B, Kind.I}
     peaks = []
     for row in schedule.actions:
         live = peak = 0
@@ -212,7 +219,7 @@ def inflight_peaks(schedule: Schedule) -> list[int]:
             if action.kind is Kind.F:
                 live += 1
                 peak = max(peak, live)
-            elif action.kind.is_backward:
+            elif action.kind in ends:
                 live -= 1
         peaks.append(peak)
     return peaks
