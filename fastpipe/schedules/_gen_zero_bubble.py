@@ -27,12 +27,13 @@ __all__ = ["zb_h1", "zb_h2", "zbv"]
 
 def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
           latency: float = 0.0, lean: bool = False) -> Schedule:
-    """ZB-H1: 1F1B's activation memory, W filling the drain; a third of 1F1B's bubble.
+    """ZB-H1: 1F1B's in-flight count, W filling the drain; a third of 1F1B's bubble.
 
     Caps: ``p - r`` microbatches between F and I on rank ``r`` (1F1B's
     in-flight count), ``p + ceil(p / 2)`` between F and W (the smallest that
-    keeps the makespan at ``3 m + p - 1`` for every ``p <= 8``; W needs only the layer
-    inputs and output gradients, a fraction of the activations).
+    keeps the makespan at ``3 m + p - 1`` for every ``p <= 8``; W reads the
+    layers' inputs and output gradients, on transformer blocks more bytes than
+    the forward saved: ``docs/benchmarks.md``, "Zero-bubble memory").
 
     For every ``m >= p`` the makespan is ``3 m + p - 1``: total idle
     ``p (p - 1)``, exactly one third of 1F1B's ``3 p (p - 1)`` at F = 1,
@@ -92,12 +93,13 @@ def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs 
 
 def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2, costs: Costs | None = None,
         latency: float = 0.0, lean: bool = False) -> Schedule:
-    """ZB-V: V placement and I/W split, 1F1B's memory, zero bubble.
+    """ZB-V: V placement and I/W split, 1F1B's in-flight count, zero bubble.
 
     Rank ``r`` holds stages ``r`` and ``2 p - 1 - r``, each half of a 1F1B
     stage. Caps: ``2 p`` stage-microbatches between F and I on every rank
     (``p`` full microbatches, 1F1B's rank-0 count), ``2 p + 3 + r`` between F
-    and W (found by a sweep over ``p <= 8``, ``m <= 32``).
+    and W (found by a sweep over ``p <= 8``, ``m <= 32``): what W reads of
+    three or four microbatches waits beyond 1F1B's count (``lean``: none).
 
     For ``m >= 2 p - 1`` no rank has a gap between its first and last action
     (``interior_idle`` is 0): zero bubble in the paper's sense. It is a
