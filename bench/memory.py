@@ -11,7 +11,7 @@ booked. They should agree: what the executor books is what the planner walks
 (``fastpipe.plan``) and what a user sizes a memory limit by.
 
     python -m bench memory [--model gpt] [--workload compute|overhead]
-                           [--schedules 1f1b,zb-h1,zb-h2,zbv] [--repeats N] [--lean]
+                           [--schedules 1f1b,zbv,...] [--repeats N] [--lean]
 
 ``--lean`` also runs each zero-bubble schedule's lean order
 (``build(lean=True)``: no microbatch waits for its W beyond the in-flight

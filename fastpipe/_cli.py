@@ -159,8 +159,9 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     simulate.add_argument(
         "--lean",
         action="store_true",
-        help="zb-h1, zb-h2 and zbv with no microbatch waiting for its weight pass beyond the "
-        "in-flight count (build(lean=True): less memory, a little more bubble)",
+        help="zb-h1, zb-h2 and zbv with their F-to-W cap at the F-to-I cap, so what the weight "
+        "pass reads waits no longer than the activations (build(lean=True): less memory, a "
+        "little more bubble)",
     )
     simulate.add_argument(
         "--png", metavar="FILE", help="write the timeline to this PNG (needs matplotlib)"
@@ -336,6 +337,7 @@ def _extension_status(name: str, load: Callable[[], ModuleType | None]) -> str:
     try:
         if load() is None:  # native_chain() answers None without the reason:
             importlib.import_module(name)  # importing again raises it
+            return "failed (built from other sources than this fastpipe's: rebuild it)"
     except ImportError as exc:
         return f"failed ({exc.__cause__ or exc})"
     return "loaded"

@@ -31,14 +31,21 @@ def native() -> ModuleType:
         ) from err
 
 
+# What this Python calls of fastpipe._chain: csrc/chain/chain.cpp's
+# ``interface``, raised with any change to what the module offers.
+CHAIN_INTERFACE = 2
+
+
 @functools.cache
 def native_chain() -> ModuleType | None:
     """Returns ``fastpipe._chain`` (chains in C++, built against torch), or None.
 
-    None where it was not built (no torch at build time) or does not load
-    (built against another torch): chains then issue their ops from Python.
+    None where it was not built (no torch at build time), does not load
+    (built against another torch) or was built from other sources (its
+    ``interface`` is not ``CHAIN_INTERFACE``): the Python paths run then.
     """
     try:
-        return importlib.import_module("fastpipe._chain")
+        module = importlib.import_module("fastpipe._chain")
     except ImportError:
         return None
+    return module if getattr(module, "interface", None) == CHAIN_INTERFACE else None

@@ -105,7 +105,7 @@ class Plan:
                         f"{c.step_seconds * 1e3:>10.2f}{c.bubble_ratio:>8.3f}{mem:>22}  {list(c.balance)}")
         limit = "none" if self.memory_limit is None else format_bytes(self.memory_limit)
         rows.append(f"  (* chosen, x over the memory limit: {limit}; ~ ordered by the measured "
-                    f"costs; lean: no more held for W than the F-to-I cap; "
+                    f"costs; lean: the F-to-W cap at the F-to-I cap; "
                     f"{len(self.candidates)} candidates)")
         if self.why_one_chunk() is not None:
             rows.append(f"  {self.why_one_chunk()}")
@@ -237,6 +237,8 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
     # Never more in flight than the built-in order (the policy may run a
     # forward past its cap rather than stall).
     leaner = all(a <= b for a, b in zip(other.peak_inflight, sim.peak_inflight))
+    if lean:  # and no more waiting for W than the lean order given
+        leaner = leaner and all(a <= b for a, b in zip(other.peak_held, sim.peak_held))
     return (by_cost, other) if other.makespan < sim.makespan and leaner else (schedule, sim)
 
 

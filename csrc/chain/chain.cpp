@@ -225,11 +225,10 @@ class Program {
     return {out, std::move(items)};
   }
 
-  // Bytes a forward keeps, counted as autograd's saved-tensor hooks count
-  // them (a tensor two ops save counts twice), so both paths report alike.
+  // Bytes a forward keeps, counted as fastpipe.runtime.memory counts
+  // autograd's (a tensor two ops save, an activation's output and the next
+  // Linear's input, counts once), so both paths report alike.
   std::int64_t saved_bytes(const Saved& saved) const {
-    // A tensor two ops save (an activation's output, the next Linear's
-    // input) counts once, as fastpipe.runtime.memory counts autograd's.
     std::int64_t total = 0;
     std::set<std::pair<const void*, std::int64_t>> seen;
     for (const at::Tensor& t : saved.tensors) {
@@ -271,6 +270,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             "without autograd or the GIL.";
   namespace py = pybind11;
   using fastpipe::Program, fastpipe::Saved;
+  // What fastpipe/_ext.py's CHAIN_INTERFACE expects: raised with any change
+  // to what this module offers, so a build from other sources is not used.
+  m.attr("interface") = 2;
   m.attr("aten_gelu") = fastpipe::kAtenGelu;
 #ifdef FASTPIPE_BUILT_WITH_TORCH
   m.attr("built_with_torch") = FASTPIPE_BUILT_WITH_TORCH;  // torch.__version__ at build time

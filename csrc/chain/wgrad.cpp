@@ -253,7 +253,7 @@ bool within(const at::Tensor& t, const std::vector<std::pair<std::uintptr_t, std
 }
 
 // WeightQueue.add's look at one microbatch's entries (deferred.py), made
-// here: rows, dtypes, bytes and whether a tensor reads a received buffer,
+// here: rows, dtypes and whether a tensor reads a received buffer,
 // read per entry, for dozens of entries a microbatch on a transformer stage.
 // Rows are counted by call_rows. None where an entry has no native
 // WeightLayer: its rule says in Python.
@@ -266,7 +266,7 @@ py::object scan_entries(const py::list& entries, const std::vector<std::pair<std
     if (!out) throw py::error_already_set();
     return out;
   };
-  std::int64_t rows = 0, nbytes = 0;
+  std::int64_t rows = 0;
   bool gather = true;
   py::list touched;
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -280,19 +280,17 @@ py::object scan_entries(const py::list& entries, const std::vector<std::pair<std
     }
     const at::Tensor& g = THPVariable_Unpack(g_obj.ptr());
     bool reads = within(g, borrowed);
-    nbytes += static_cast<std::int64_t>(g.nbytes());
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(saved.ptr()); ++j) {
       PyObject* t = PyTuple_GET_ITEM(saved.ptr(), j);
       if (!THPVariable_Check(t)) throw py::type_error("scan_entries: an entry's saved is a tuple of tensors");
       const at::Tensor& kept = THPVariable_Unpack(t);
-      nbytes += static_cast<std::int64_t>(kept.nbytes());
       reads = reads || within(kept, borrowed);
     }
     if (reads) touched.append(i);
     const at::Tensor& first = THPVariable_Unpack(PyTuple_GET_ITEM(saved.ptr(), 0));
     rows = std::max(rows, call_rows(layer, first, g, gather));
   }
-  return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), nbytes, touched);
+  return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), touched);
 }
 
 }  // namespace
@@ -342,17 +340,16 @@ void register_wgrad(py::module_& m) {
           "scan",
           [](const Calls& c, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
             // WeightQueue.add's look at them, as scan_entries's.
-            std::int64_t rows = 0, nbytes = 0;
+            std::int64_t rows = 0;
             bool gather = true, reads = false;
             for (const Call& call : c.calls) {
               reads = reads || within(call.kept, borrowed) || within(call.g, borrowed);
-              nbytes += static_cast<std::int64_t>(call.kept.nbytes() + call.g.nbytes());
               rows = std::max(rows, call_rows(*call.layer, call.kept, call.g, gather));
             }
-            return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), nbytes, reads);
+            return py::make_tuple(gather && rows > 0 ? py::object(py::int_(rows)) : py::none(), reads);
           },
           py::arg("borrowed"),
-          "(rows or None, bytes, whether a tensor reads `borrowed` memory) of these calls.")
+          "(rows or None, whether a tensor reads `borrowed` memory) of these calls.")
       .def(
           "own",
           [](Calls& c, const std::vector<std::pair<std::uintptr_t, std::uintptr_t>>& borrowed) {
@@ -403,7 +400,7 @@ void register_wgrad(py::module_& m) {
           "(address, bytes) of each tensor W reads: the kept inputs and, once I has run, "
           "the output gradients (Pending.spans).");
   m.def("scan_entries", &scan_entries, py::arg("entries"), py::arg("borrowed"),
-        "(rows or None, bytes, indices of entries reading borrowed memory) of one microbatch's "
+        "(rows or None, indices of entries reading borrowed memory) of one microbatch's "
         "deferred entries; None where one has no native WeightLayer.");
 }
 

@@ -195,17 +195,17 @@ def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,
         part = slice(start, start + window)
         for i in range(warmup + repeats):
             _run_window(timed[part], inputs[part], device, record=i >= warmup)
-    # Bytes saved: each layer on the layer before's output itself, as a
-    # stage runs them, so what both save (one's output, the other's input)
-    # is seen once (``shared_bytes``).
+    # Bytes saved: each layer on the layer before's output (detached: the
+    # same memory, its own graph), as a stage runs them, so what both save
+    # (one's output, the other's input) is seen once (``shared_bytes``).
+    # Two layers' graphs are alive at a time: the one before keeps its
+    # addresses from being handed out again while they are compared.
     layers, before, previous = [], set(), None
     for t, value in zip(timed, inputs):
         saved = SavedBytes(t.layer.parameters())
-        if previous is None:
-            leaves, spec = _leaves(value, device, t.first)
-            previous = mbatch.unflatten(leaves, spec)
+        leaves, spec = _leaves(value if previous is None else previous, device, t.first)
         with saved.counting():
-            out = t.layer(previous)
+            out = t.layer(mbatch.unflatten(leaves, spec))
         shared = sum(n for _, n in saved.seen & before)
         before, previous = saved.seen, out
         for p in t.params:

@@ -40,6 +40,7 @@ from fastpipe.runtime import deferred
 from fastpipe.runtime.eager_checks import (
     accumulator_hooked, global_hooks, graph_modes, module_hooked, originals, param_hooked, patched,
 )
+from fastpipe.runtime.memory import span
 
 __all__ = ["Chain"]
 
@@ -238,7 +239,7 @@ class Chain:
         stats and the planner's profile read the same whichever path ran."""
         if self._bound:
             return self._program.saved_bytes(saved)
-        return sum(n for _, n in {(t.data_ptr(), t.nbytes) for t in saved})
+        return sum(n for _, n in set(map(span, saved)))
 
     def backward_input(self, saved: list[torch.Tensor], grad: torch.Tensor, need_input: bool
                        ) -> tuple[torch.Tensor | None, deferred.Pending]:

@@ -65,6 +65,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from fastpipe._ext import native_chain
 from fastpipe.runtime._backward import Root, backward_full, filled, run_backward
 from fastpipe.runtime.eager_checks import param_hooked
+from fastpipe.runtime.memory import span
 
 __all__ = [
     "EmbeddingRule", "Entry", "LayerNormRule", "LinearRule", "Pending", "RMSNormRule", "WeightQueue",
@@ -241,21 +242,26 @@ class Pending:
         return len(self.entries) + sum(map(len, self.calls))
 
     def spans(self) -> set[tuple[int, int]]:
-        """(address, bytes) of each distinct tensor W reads: what the forward
-        kept and, once I has run, the output gradients. A tensor two calls
-        read (one input of three projections, one gradient of two outputs
-        that meet in a sum) is one span."""
-        out = {(t.data_ptr(), t.nbytes) for e in self.entries for t in (*e.saved, e.g)
-               if t is not None}
-        for c in self.calls:
-            out.update(c.spans)
-        return out
+        """``spans`` of this microbatch's entries and blocks."""
+        return spans(self.entries, self.calls)
 
     @property
     def nbytes(self) -> int:
-        """Bytes W holds: after F, what the forward kept for it; after I,
-        that and the output gradients (the executor books them until W)."""
+        """Bytes W holds, each tensor once (``spans``): after F, what the
+        forward kept for it; after I, that and the output gradients (the
+        executor books them until W)."""
         return sum(n for _, n in self.spans())
+
+
+def spans(entries: Sequence[Entry], calls: Sequence = ()) -> set[tuple[int, int]]:
+    """(address, bytes) of each distinct tensor W work reads: what the
+    forward kept and, once I has run, the output gradients. A tensor two
+    calls read (one input of three projections, one gradient of two
+    outputs that meet in a sum) is one span."""
+    out = {span(t) for e in entries for t in (*e.saved, e.g) if t is not None}
+    for c in calls:
+        out.update(c.spans)
+    return out
 
 
 def linear_work(module: nn.Linear) -> tuple:
@@ -424,9 +430,9 @@ class WeightQueue:
         the executor hands back after this W: it is cloned before it waits.
         """
         entries, calls, own = pending.entries, pending.calls, pending.borrowed
-        rows, nbytes, touched, reads, scans = None, None, None, (), []
+        rows, touched, reads = None, None, ()
         if gather:
-            rows, nbytes, touched, reads, scans = self._measure(entries, calls, own)
+            rows, touched, reads = self._measure(entries, calls, own)
         if not rows or self.rows + rows >= self._limit(entries, calls):
             entries, calls = self.waiting + entries, self.waiting_calls + calls
             pending.entries, pending.calls = [], []
@@ -443,24 +449,24 @@ class WeightQueue:
                 e.g = e.g.clone()
         for c in reads:
             c.own(own)
-        if nbytes is None:  # entries scanned in Python: bytes counted here
-            nbytes = sum(e.nbytes for e in entries) + sum(n for _, n, _ in scans)
-        self.nbytes += nbytes
+        # What waits, each tensor once (a clone above is a tensor of its own).
+        self.nbytes += sum(n for _, n in spans(entries, calls))
         self.waiting += entries
         self.waiting_calls += calls
         pending.entries, pending.calls = [], []
         self.rows += rows
 
     def _measure(self, entries: list[Entry], calls: list, own):
-        """(rows or None, bytes or None, entries and calls reading ``own``
-        memory, the calls' scans) of one microbatch's W work."""
-        rows, nbytes, touched = self._scan(entries, own) if entries else (0, 0, [])
-        scans = [c.scan(own) for c in calls]
-        for r, n, _ in scans:
+        """(rows or None, entries reading ``own`` memory or None where not
+        known, calls reading it) of one microbatch's W work."""
+        rows, touched = self._scan(entries, own) if entries else (0, [])
+        reads = []
+        for c in calls:
+            r, read = c.scan(own)
             rows = None if r is None or rows is None else max(rows, r)
-            nbytes = None if nbytes is None else nbytes + n
-        reads = [c for c, (_, _, read) in zip(calls, scans) if read]
-        return rows, nbytes, touched, reads, scans
+            if read:
+                reads.append(c)
+        return rows, touched, reads
 
     @staticmethod
     def gathering(pending: Pending) -> tuple[int, int]:
@@ -485,13 +491,13 @@ class WeightQueue:
         """Drops whatever waits (a failed step), or forgets what has run."""
         self.waiting, self.waiting_calls, self.rows, self.nbytes = [], [], 0, 0
 
-    def _scan(self, entries: list[Entry], own) -> tuple[int | None, int | None, list[int] | None]:
-        """(rows or None, bytes, entries reading ``own`` memory) of a
-        microbatch's entries: in C++ where every entry is native, else rows
-        only (``_rows``)."""
+    def _scan(self, entries: list[Entry], own) -> tuple[int | None, list[int] | None]:
+        """(rows or None, entries reading ``own`` memory) of a microbatch's
+        entries: in C++ where every entry is native, else rows only
+        (``_rows``)."""
         chain = native_chain()
         scan = chain.scan_entries(entries, own) if chain is not None else None
-        return scan if scan is not None else (self._rows(entries), None, None)
+        return scan if scan is not None else (self._rows(entries), None)
 
     @staticmethod
     def _rows(entries: list[Entry]) -> int | None:

@@ -14,11 +14,22 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["SavedBytes", "saved_activation_bytes"]
+__all__ = ["SavedBytes", "saved_activation_bytes", "span"]
 
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) that tells a live tensor apart from the others: its
+    data's address, or, where it has none to read (meta tensors, wrapper
+    subclasses, sparse layouts), its object's."""
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:
+        ptr = 0
+    return ptr or id(t), t.numel() * t.element_size()
 
 
 class SavedBytes:
@@ -45,7 +56,7 @@ class SavedBytes:
         if self._params is None:
             self._params = {_storage(p) for p in self._given}
         if _storage(t) not in self._params:
-            self.add(((t.data_ptr(), t.nbytes),))
+            self.add((span(t),))
         return self._outer[0](t) if self._outer else t
 
     def _unpack(self, packed):

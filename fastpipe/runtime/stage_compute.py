@@ -7,7 +7,7 @@ chains and deferred weight work). It reads the executor's per-step state:
 ``stages``, ``_saved``, ``_weights``, ``_results``, ``_chains``, ``_defers``,
 ``_inputs``/``_targets``/``_loss_fn``/``_train``, ``_known_loss``, the
 autocast settings and the RNG lock, and calls back ``_take``, ``_deliver``,
-``_send_b``, ``_count``, ``_hold``, ``_borrows``.
+``_send_b``, ``_count``, ``_rebook``, ``_hold``, ``_borrows``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fastpipe.runtime import deferred
 from fastpipe.runtime._backward import backward_full
 from fastpipe.runtime.checkpoint import (NO_RANDOM, RngState, checkpointed, forgetful, guarded,
                                          recompute, seeded, stage_seed)
+from fastpipe.runtime.memory import span
 from fastpipe.runtime.threads import autocast
 from fastpipe.schedules import Action
 
@@ -97,8 +98,8 @@ class StageCompute:
                 if ckpt:  # the kept input is what a checkpointed microbatch holds,
                     # beyond the caller's own batch (a first stage's input on its device)
                     self._saved_bytes.total += sum(
-                        t.nbytes for i, t in enumerate(leaves)
-                        if a.stage or t.data_ptr() != tensors[i].data_ptr())
+                        n for i, (where, n) in enumerate(map(span, leaves))
+                        if a.stage or where != span(tensors[i])[0])
                 stage.saved_bytes[shape_key] = self._saved_bytes.total - start
             self._count((a.stage, mb), start)
         if last:
@@ -277,7 +278,10 @@ class StageCompute:
             # runs, not after: W only feeds this rank's .grad.
             self._send_b(a)
         if pending is not None:
-            self._rebook(key, 0)  # the forward's went with I; what W reads is the queue's
+            # The forward's tensors go with I (with keep_graphs, here, before
+            # W runs); what W reads is the queue's to book from now on.
+            del saved
+            self._rebook(key, 0)
             self._queue_weight(self.stages[a.stage], pending)
 
     def _backward_input(self, a: Action) -> None:
@@ -292,7 +296,8 @@ class StageCompute:
             pending = deferred.Pending()
         # Autograd's saved tensors went with I: the microbatch now holds
         # what W reads (``Pending.nbytes``), the same for the same shapes.
-        shape_key = ("W", saved.chain is not None, *[(t.shape, t.dtype) for t in saved.leaves])
+        shape_key = ("W", saved.chain is not None, a.stage in self._defers,
+                     *[(t.shape, t.dtype) for t in saved.leaves])
         held = self.stages[a.stage].saved_bytes.get(shape_key)
         if held is None:
             held = self.stages[a.stage].saved_bytes[shape_key] = pending.nbytes

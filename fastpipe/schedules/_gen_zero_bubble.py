@@ -9,8 +9,9 @@ at F = I = W = 1 per stage and were measured for every
 Both caps bound memory: "between F and I" is the full activations, the
 ``peak_inflight`` of a simulation; "between F and W" adds what W still needs.
 ``lean=True`` sets the second cap to the first: a microbatch waiting for its
-W then counts as a whole one, so a rank never holds more microbatches, in
-any state, than its F-to-I cap (1F1B's count for ZB-H1 and ZB-V), even where
+W then counts as a whole one, so a rank holds no more microbatches, in any
+state, than its F-to-I cap (1F1B's count for ZB-H1 and ZB-V; unless the cap
+gives way rather than stall every rank, as ``_greedy`` says), even where
 W's inputs and gradients weigh as much as the activations (a vocabulary
 head's); the price is some of the bubble the extra W slots filled.
 """

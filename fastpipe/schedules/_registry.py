@@ -76,11 +76,13 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
             unit-cost order keeps forwards waiting for W slots that end long
             before the next input arrives. ``None``: unit costs.
         latency: with ``costs``, the time a value takes to reach another rank.
-        lean: zero-bubble schedules only: a rank never holds more
-            microbatches between F and W than between F and I, so what W
-            reads adds no microbatch to the peak (1F1B's count for zb-h1 and
-            zbv), for some of the bubble the extra W slots filled
-            (``fastpipe.plan`` weighs the two under a ``memory_limit``).
+        lean: zero-bubble schedules only: the cap on microbatches between F
+            and W is the one between F and I, so what W reads adds no
+            microbatch to the peak (1F1B's count for zb-h1 and zbv), for some
+            of the bubble the extra W slots filled (``fastpipe.plan`` weighs
+            the two under a ``memory_limit``). As every cap of the list
+            scheduler, it gives way where keeping it would stall every rank
+            (``fastpipe.schedules._greedy``; seen with latency or costs).
 
     Returns:
         The compute-only schedule; stage ``s`` of an interleaved or looped

@@ -50,7 +50,7 @@ class Simulation:
             has run and whose I or B has not.
         peak_held: Per rank, the most whose F has run and whose W or B has
             not: with what W reads, what a split schedule holds (``lean``
-            orders keep it at ``peak_inflight``).
+            orders keep it within their F-to-I cap).
         timeline: Compute records, then, when a P2P model was given
             (``latency != 0`` or a ``bandwidth``), comm records; each group in
             start order.
