@@ -213,6 +213,16 @@ def test_a_plan_names_its_choices_and_says_why_it_does_not_pipeline():
     assert "fits" in Plan(one, [one, four], memory_limit=50).why_one_chunk()
 
 
+def _step_on_plan(model, made, x, y):
+    """One mse step of ``model`` on two local ranks as ``made`` (a Plan)
+    says: the loss and ``memory_stats()``."""
+    pipe = Pipe(model, plan=made, devices=["cpu", "cpu"])
+    try:
+        return pipe.step(x, y, nn.functional.mse_loss), pipe.memory_stats()
+    finally:
+        pipe.close()
+
+
 def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
     """A limit below what 1F1B without checkpointing needs: the planner picks a
     plan that fits, and the executor's own peak stays under the limit."""
@@ -228,12 +238,7 @@ def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
     tight = plan(model, x, 2, memory_limit=limit, chunks=[8], prof=free.profile)
     assert max(tight.best.memory) <= limit
     assert (tight.best.schedule, tight.best.checkpoint) != ("1f1b", "never")
-    pipe = Pipe(model, plan=tight, devices=["cpu", "cpu"])
-    try:
-        pipe.step(x, y, nn.functional.mse_loss)
-        stats = pipe.memory_stats()
-    finally:
-        pipe.close()
+    _, stats = _step_on_plan(model, tight, x, y)
     for rank, s in stats.items():
         assert s["peak"] <= limit, (rank, s, limit)
         # the planner's walk and the executor's count agree closely
@@ -287,12 +292,7 @@ def test_a_memory_limit_can_choose_a_lean_zero_bubble_order():
     assert tight.best.lean and "zbv lean" in tight.explain()
     want_loss, want = reference(model, x, y, nn.functional.mse_loss, 8)
     model.zero_grad(set_to_none=True)
-    pipe = Pipe(model, plan=tight, devices=["cpu", "cpu"])
-    try:
-        loss = pipe.step(x, y, nn.functional.mse_loss)
-        stats = pipe.memory_stats()
-    finally:
-        pipe.close()
+    loss, stats = _step_on_plan(model, tight, x, y)
     for rank, s in stats.items():
         assert s["peak"] <= limit, (rank, s, limit)
         # what the planner walked (W's gathering queue included) is what ran
@@ -312,12 +312,7 @@ def test_the_planner_walks_what_w_gathers():
     made = plan(model, x, 2, schedules=["1f1b", "zb-h1", "zbv"], chunks=[8], checkpoints=["never"])
     assert {layer.gather_limit for layer in made.profile.layers} == {0, 128}
     for c in made.candidates:
-        pipe = Pipe(model, plan=type(made)(c, [c]), devices=["cpu", "cpu"])
-        try:
-            pipe.step(x, y, nn.functional.mse_loss)
-            stats = pipe.memory_stats()
-        finally:
-            pipe.close()
+        _, stats = _step_on_plan(model, type(made)(c, [c]), x, y)
         model.zero_grad(set_to_none=True)
         for rank, s in stats.items():
             # the loss's own saved tensors (on the last stage) are not the model's

@@ -215,10 +215,6 @@ class Entry:
     layer: int  # id of the module: its entries into the same parameters gather together
     native: Any = None  # the layer's fastpipe._chain.WeightLayer this step, or None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.saved) + self.g.nbytes
-
 
 @dataclass
 class Pending:
