@@ -14,6 +14,7 @@ the report is their medians and the ratio (I+W)/B (1.0: the split is free).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +32,18 @@ STAGES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "mlp x4 d=512 rows=8": (lambda: nn.Sequential(*[nn.Sequential(
         nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)) for _ in range(4)]), (8, 512)),
 }
+
+
+def _hf_layers(workload: str) -> nn.Module:
+    """Two decoder layers of a ``bench._workloads`` Hugging Face model."""
+    from bench._workloads import WORKLOADS
+
+    return nn.Sequential(*list(WORKLOADS[workload].build())[1:3])
+
+
+if importlib.util.find_spec("transformers") is not None:
+    STAGES["hf-gpt2 layer x2 d=256 seq=64"] = (lambda: _hf_layers("hf-gpt2-compute"), (1, 64, 256))
+    STAGES["hf-llama layer x2 d=256 seq=64"] = (lambda: _hf_layers("hf-llama-compute"), (1, 64, 256))
 
 
 def measure(build: Callable[[], nn.Module], shape: tuple[int, ...], repeats: int,
@@ -83,8 +96,8 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         torch.set_num_threads(1)
     print(f"I+W against B, one microbatch, {args.device}{', bf16 autocast' if args.bf16 else ''}")
-    print(f"  {'stage':<28}{'B ms':>8}{'I ms':>8}{'W ms':>8}{'(I+W)/B':>9}")
+    print(f"  {'stage':<32}{'B ms':>8}{'I ms':>8}{'W ms':>8}{'(I+W)/B':>9}")
     for name, (build, shape) in STAGES.items():
         b, i, w = measure(build, shape, args.repeats, args.device, args.bf16)
-        print(f"  {name:<28}{b * 1e3:>8.3f}{i * 1e3:>8.3f}{w * 1e3:>8.3f}{(i + w) / b:>9.3f}")
+        print(f"  {name:<32}{b * 1e3:>8.3f}{i * 1e3:>8.3f}{w * 1e3:>8.3f}{(i + w) / b:>9.3f}")
     return 0
