@@ -6,6 +6,7 @@
                zero-bubble: also ordered by the stage costs  ──► the faster order
                simulate the schedule with the stage costs  ──► step time, bubble
                walk each rank's actions                     ──► peak memory
+               over ``memory_limit``: the nearest split that fits (_refit)
              ──► fastest candidate whose every rank fits ``memory_limit``
 
 Memory per rank is what the executor accounts for in ``Pipe.memory_stats()``:
@@ -332,7 +333,9 @@ def plan(
         sample: one training batch (its size fixes the microbatch sizes).
         ranks: pipeline ranks.
         memory_limit: bytes per rank (or a string like ``"2GiB"``, ``"512MB"``);
-            plans above it are rejected.
+            plans above it are rejected. Where a schedule's fastest split
+            does not fit, the search also tries the splits nearby (one cut
+            moved a layer at a time) for the fastest that does.
         speeds: per-rank speed factors (heterogeneous devices).
         schedules: names to consider (default: all registered).
         chunks: microbatch counts to consider (default: divisors of the batch
@@ -380,27 +383,28 @@ def plan(
                 continue
             scaled = prof.scaled(batch // m)
             balance = balance_for(scaled, sched, speeds, latency=latency, transfer_cost=transfer_cost)
-            sums = _stage_sums(scaled, balance)
             # Its lean order too (no microbatch past its F-to-I cap waiting
             # for W): slower, and smaller where what W reads weighs.
             lean_sched = build(name, ranks, m, lean=True) if orders_by_cost(name) else None
             for mode in checkpoints:
                 if mode == "except_last" and m == 1:
                     continue  # the same as "never"
-                cost = _cost_fn(sums, mode, m, sched, transfer_cost)
-                chosen, sim = ordered(sched, cost, speeds, latency)
-                memory = tuple(rank_memory(chosen, sums, mode, param_scale))
-                candidates.append(Candidate(
-                    name, m, sched.stages // ranks, tuple(balance), mode, sim.makespan,
-                    sim.bubble_ratio, memory, chosen if chosen is not sched else None,
-                ))
+                fast = _candidate(scaled, sched, balance, mode, False, speeds, latency,
+                                  transfer_cost, param_scale)
+                found = [fast]
                 if lean_sched is not None:
-                    lean, lean_sim = ordered(lean_sched, cost, speeds, latency, lean=True)
-                    lean_memory = tuple(rank_memory(lean, sums, mode, param_scale))
-                    if max(lean_memory) < max(memory):
-                        candidates.append(Candidate(
-                            name, m, sched.stages // ranks, tuple(balance), mode,
-                            lean_sim.makespan, lean_sim.bubble_ratio, lean_memory, lean, lean=True))
+                    lean = _candidate(scaled, lean_sched, balance, mode, True, speeds, latency,
+                                      transfer_cost, param_scale)
+                    if max(lean.memory) < max(fast.memory):
+                        found.append(lean)
+                if limit is not None and not any(c.fits(limit) for c in found):
+                    # The fastest split does not fit: the nearest one that does.
+                    smallest = min(found, key=lambda c: max(c.memory))
+                    refit = _refit(scaled, lean_sched if smallest.lean else sched, smallest,
+                                   limit, speeds, latency, transfer_cost, param_scale)
+                    if refit is not None:
+                        found.append(refit)
+                candidates.extend(found)
     if not candidates:
         raise ValueError(f"no schedule fits {len(prof.layers)} layers on {ranks} ranks")
     candidates.sort(key=lambda c: (not c.fits(limit), c.step_seconds, max(c.memory)))
@@ -410,6 +414,41 @@ def plan(
             f"no plan fits memory_limit={limit} bytes per rank; the smallest needs {smallest} bytes"
         )
     return Plan(candidates[0], candidates, limit, prof)
+
+
+def _candidate(prof: Profile, sched: Schedule, balance: Sequence[int], mode: str, lean: bool,
+               speeds, latency: float, transfer_cost: float, param_scale: float) -> Candidate:
+    """``sched`` (built, or built lean) over ``balance``: its order for the
+    stage costs, simulated, and its memory walk."""
+    sums = _stage_sums(prof, balance)
+    cost = _cost_fn(sums, mode, sched.microbatches, sched, transfer_cost)
+    chosen, sim = ordered(sched, cost, speeds, latency, lean=lean)
+    memory = tuple(rank_memory(chosen, sums, mode, param_scale))
+    order = chosen if lean or chosen is not sched else None
+    return Candidate(sched.name, sched.microbatches, sched.stages // sched.ranks, tuple(balance),
+                     mode, sim.makespan, sim.bubble_ratio, memory, order, lean=lean)
+
+
+def _refit(prof: Profile, sched: Schedule, start: Candidate, limit: int, speeds, latency: float,
+           transfer_cost: float, param_scale: float) -> Candidate | None:
+    """Under ``memory_limit``: from a candidate over it, the split found by
+    moving one cut a layer at a time that first brings the busiest rank's
+    walk under ``limit`` and then simulates fastest; None where no move
+    helps. The fastest split evens out time, not bytes (a V's first rank
+    holds the embedding's and the head's stages; a stage's activations are
+    not its time), so a split slightly slower can be much smaller."""
+    seen: dict[tuple[int, ...], Candidate] = {}
+
+    def score(balance: Sequence[int]) -> tuple[float, float]:
+        c = seen.get(tuple(balance))
+        if c is None:
+            c = seen[tuple(balance)] = _candidate(prof, sched, balance, start.checkpoint, start.lean,
+                                                  speeds, latency, transfer_cost, param_scale)
+        return max(0, max(c.memory) - limit), c.step_seconds
+
+    best = improve(list(start.balance), score)
+    score(best)
+    return None if tuple(best) == start.balance else seen[tuple(best)]
 
 
 def format_bytes(n: float) -> str:

@@ -302,6 +302,36 @@ def test_a_memory_limit_can_choose_a_lean_zero_bubble_order():
         torch.testing.assert_close(p.grad, want[name], msg=name)
 
 
+def test_a_memory_limit_can_move_the_split():
+    """1F1B's first rank holds two microbatches to the last rank's one: under
+    a limit the fastest split exceeds (and no checkpointing allowed), the
+    planner moves layers off the first rank, and the run books what the
+    walk said and trains as the unsplit model does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
+    x, y = torch.randn(1024, 64), torch.randn(1024, 64)
+    free = plan(model, x, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"])
+    fastest = free.best
+    assert [c.balance for c in free.candidates] == [fastest.balance]  # no limit: nothing else
+    limit = int(0.97 * max(fastest.memory))
+    tight = plan(model, x, 2, memory_limit=limit, schedules=["1f1b"], chunks=[8],
+                 checkpoints=["never"], prof=free.profile)
+    moved = tight.best
+    assert max(moved.memory) <= limit and moved.balance[0] < fastest.balance[0], moved
+    want_loss, want = reference(model, x, y, nn.functional.mse_loss, 8)
+    model.zero_grad(set_to_none=True)
+    loss, stats = _step_on_plan(model, tight, x, y)
+    for rank, s in stats.items():
+        # the walk, as run (the last rank's loss keeps a few tensors it does not see)
+        assert s["peak"] == pytest.approx(moved.memory[rank], rel=0.05), (rank, s)
+    torch.testing.assert_close(loss, want_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
+    with pytest.raises(ValueError, match="no plan fits"):  # below any split's walk
+        plan(model, x, 2, memory_limit=int(0.3 * max(fastest.memory)), schedules=["1f1b"],
+             chunks=[8], checkpoints=["never"], prof=free.profile)
+
+
 def test_the_planner_walks_what_w_gathers():
     """Microbatches of fewer rows than a Linear's gathering limit leave their
     W waiting in the stage's queue (``deferred.WeightQueue``): the planner's
