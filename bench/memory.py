@@ -11,11 +11,14 @@ booked. They should agree: what the executor books is what the planner walks
 (``fastpipe.plan``) and what a user sizes a memory limit by.
 
     python -m bench memory [--model gpt] [--workload compute|overhead]
-                           [--schedules 1f1b,zbv,...] [--repeats N] [--lean]
+                           [--schedules 1f1b,zbv,...] [--repeats N] [--lean] [--fit X]
 
 ``--lean`` also runs each zero-bubble schedule's lean order
 (``build(lean=True)``: no microbatch waits for its W beyond the in-flight
-count), as "zbv lean". The step's median time is printed beside (the
+count), as "zbv lean". ``--fit X`` also runs, for each schedule but 1F1B,
+what ``fastpipe.plan`` chooses for it under a memory limit of X times
+1F1B's walk (activations only; order, lean or not, and split), as "zbv
+fit", where anything fits. The step's median time is printed beside (the
 sampling adds the same small cost to every action).
 
 Linux with glibc 2.33 or later only (``mallinfo2``).
@@ -103,13 +106,14 @@ def _measure(w, schedule: str, bal, runs, warmup: int, steps: int, in_use, peak:
 
 
 def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps):
+    """``balances`` and ``orders`` by label ("zbv", "zbv lean", "zbv fit")."""
     torch.set_num_threads(1)
     in_use, peak = _heap_reader(), [0]
     _sampling(in_use, peak)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     w = WORKLOADS[name]
     try:
-        results = {label: _measure(w, label.split()[0], balances[label.split()[0]], runs, warmup,
+        results = {label: _measure(w, label.split()[0], balances[label], runs, warmup,
                                    steps, in_use, peak)
                    for label, runs in orders.items()}
     finally:
@@ -117,8 +121,30 @@ def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps):
     queue.put((rank, results))
 
 
+def _fitted(w, schedules: list[str], factor: float, ranks: int) -> dict:
+    """label -> (order, balance): what ``fastpipe.plan`` picks for each
+    schedule under ``factor`` times 1F1B's walk, where it finds a fit."""
+    from bench._workloads import _profile
+    from fastpipe import plan
+
+    x, _ = w.data()
+    model, prof = w.build(), _profile(w.name)
+    args = dict(chunks=[w.chunks], checkpoints=["never"], param_scale=0.0, prof=prof)
+    limit = int(factor * max(plan(model, x, ranks, schedules=["1f1b"], **args).best.memory))
+    out = {}
+    for s in schedules:
+        if s == "1f1b":
+            continue
+        try:
+            c = plan(model, x, ranks, memory_limit=limit, schedules=[s], **args).best
+        except ValueError:  # nothing fits: no row
+            continue
+        out[f"{s} fit"] = (c.order if c.order is not None else s, list(c.balance))
+    return out
+
+
 def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True,
-        lean: bool = False) -> None:
+        lean: bool = False, fit: float | None = None) -> None:
     from fastpipe.schedules import orders_by_cost
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -128,10 +154,17 @@ def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cos
         orders[s] = order(w, s, balances[s], ranks, by_cost)
         if lean and orders_by_cost(s):
             orders[f"{s} lean"] = order(w, s, balances[s], ranks, by_cost, lean=True)
+            balances[f"{s} lean"] = balances[s]
+    if fit is not None:
+        for label, (runs, bal) in _fitted(w, schedules, fit, ranks).items():
+            orders[label], balances[label] = runs, bal
     per_rank = spawn(ranks, _rank_main, w.name, balances, orders, warmup, steps)
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; least heap growth of "
           f"{steps} steps and the booked activation peak, MB; median step, ms")
     print(describe_orders({s: o for s, o in orders.items() if " " not in s}))
+    fitted = [f"{label} {balances[label]}" for label in orders if label.endswith(" fit")]
+    if fit is not None:
+        print(f"  under {fit:g}x 1F1B's walk, fastpipe.plan picks: {', '.join(fitted) or 'nothing fits'}")
     print(f"  {'schedule':<18}{'rank':>5}{'heap':>9}{'booked':>9}{'booked/heap':>13}{'step':>9}")
     for label in orders:
         for rank in range(ranks):
@@ -145,10 +178,13 @@ def main(argv=None) -> int:
     parser = workload_parser("python -m bench memory", __doc__, SCHEDULES)
     parser.add_argument("--lean", action="store_true",
                         help="also run each zero-bubble schedule's lean order (build(lean=True))")
+    parser.add_argument("--fit", type=float, default=None, metavar="X",
+                        help="also run what fastpipe.plan picks for each schedule under X times "
+                             "1F1B's memory walk")
     args = parser.parse_args(argv)
     if _heap_reader() is None:
         raise SystemExit("bench memory needs glibc's mallinfo2 (glibc 2.33 or later)")
     for w in selected(args):
         run(w, args.schedules.split(","), args.warmup, args.repeats, by_cost=not args.built_in_order,
-            lean=args.lean)
+            lean=args.lean, fit=args.fit)
     return 0
