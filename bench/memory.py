@@ -162,8 +162,8 @@ def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cos
     print(f"\n{w.name}: {w.describe()}, {ranks} gloo ranks x 1 thread; least heap growth of "
           f"{steps} steps and the booked activation peak, MB; median step, ms")
     print(describe_orders({s: o for s, o in orders.items() if " " not in s}))
-    fitted = [f"{label} {balances[label]}" for label in orders if label.endswith(" fit")]
     if fit is not None:
+        fitted = [f"{label} {balances[label]}" for label in orders if label.endswith(" fit")]
         print(f"  under {fit:g}x 1F1B's walk, fastpipe.plan picks: {', '.join(fitted) or 'nothing fits'}")
     print(f"  {'schedule':<18}{'rank':>5}{'heap':>9}{'booked':>9}{'booked/heap':>13}{'step':>9}")
     for label in orders:

@@ -446,8 +446,7 @@ def _refit(prof: Profile, sched: Schedule, start: Candidate, limit: int, speeds,
                                                   speeds, latency, transfer_cost, param_scale)
         return max(0, max(c.memory) - limit), c.step_seconds
 
-    best = improve(list(start.balance), score)
-    score(best)
+    best = improve(list(start.balance), score)  # every split it returns was scored
     return None if tuple(best) == start.balance else seen[tuple(best)]
 
 
