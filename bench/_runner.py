@@ -66,8 +66,8 @@ def workload_parser(prog: str, doc: str | None, schedules: list[str]):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(schedules))
     parser.add_argument("--built-in-order", action="store_true",
-                        help="run fastpipe's zero-bubble schedules in their built-in order, not "
-                             "ordered by the measured stage costs")
+                        help="run fastpipe's zero-bubble schedules in their built-in order (a "
+                             "Schedule), not the order each Pipe picks for its measured step")
     return parser
 
 

@@ -17,9 +17,9 @@ each Linear's accumulated by one GEMM into ``.grad``), cheaper work than the
 sequential baseline's; efficiencies stay against that baseline, so they
 compare throughput. Rows marked ``autograd-B`` (``--autograd-b``) run with
 ``fused_wgrad=False``, B as autograd's backward. fastpipe's zero-bubble
-schedules run in the order ``fastpipe.plan`` gives them for the measured
-stage costs (``bench.pipelining.order``; ``--built-in-order`` for the fixed
-one).
+schedules are given by name, so each Pipe reorders itself for its second
+step's measured action times where that is faster (``bench.pipelining.order``;
+``--built-in-order`` runs the built-in lists).
 
 One intra-op thread means one in every thread: ``torch.set_num_threads(1)``
 reaches only the thread that calls it, and threads that torch did not start
@@ -44,7 +44,7 @@ from torch import nn
 
 from bench._runner import round_robin_medians, workload_parser
 from bench._workloads import Workload, selected
-from bench.pipelining import TWO_STAGES, balance, describe_orders, order
+from bench.pipelining import TWO_STAGES, balance, describe_orders, order, reordered
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 
@@ -104,6 +104,7 @@ PLAIN = " autograd-B"
 def run(w: Workload, repeats: int, warmup: int, schedules: list[str], autograd_b: bool = False,
         by_cost: bool = True) -> None:
     from fastpipe import Pipe
+    from fastpipe.schedules import orders_by_cost
 
     torch.set_num_threads(1)
     x, y = w.data()
@@ -126,6 +127,8 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], autograd_b
     # In turns (a few steps of each, round after round), so machine drift
     # falls on the baseline, the peer and every schedule alike.
     times = round_robin_medians(runners, warmup, max(1, repeats // 3), lambda: None, per_round=3)
+    moved = [s for s, pipe in zip(schedules, pipes[::len(variants)])
+             if orders_by_cost(s) and reordered(pipe)]
     for pipe in pipes:
         pipe.close()
     seq, theirs = times.pop("sequential"), times.pop("torchgpipe", None)
@@ -140,7 +143,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], autograd_b
         print(f"  torchgpipe (GPipe)  {theirs * 1e3:8.1f} ms  efficiency {ideal / theirs:.2f}")
     else:
         print("  torchgpipe not installed: pip install torchgpipe==0.0.7 for the peer column")
-    print(describe_orders(orders))
+    print(describe_orders(orders, moved))
     print(f"  {'fastpipe schedule':<21}{'ms':>9}{'efficiency':>12}{'torchgpipe/fastpipe':>21}")
     for schedule, ours in rows.items():
         ratio = f"{theirs / ours:>21.2f}" if theirs is not None else ""

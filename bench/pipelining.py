@@ -27,10 +27,10 @@ The workloads (``bench._workloads``): a GPT first, then the MLP stack, each
 compute-bound and overhead-bound; both libraries get the same layers per
 stage: the measured layer times split as ``Pipe(balance="auto")`` splits
 them (``Workload.balance``; the report prints it). fastpipe runs its
-zero-bubble schedules in the order ``fastpipe.plan`` gives them for the same
-measured costs (``order``: ordered by the costs where that
-simulates faster than the built-in order; the report says which, and times
-the built-in order beside it); torch runs its own.
+zero-bubble schedules by name, as a user would, so each Pipe reorders itself
+for the action times its second step measured where that simulates faster
+(``order``; the report says which did, and times the built-in order beside
+it; ``--built-in-order`` runs only the built-in lists); torch runs its own.
 
     python -m bench pipelining [--model gpt|mlp|both] [--workload compute|overhead|both]
                                [--repeats N] [--autograd-b]
@@ -64,29 +64,49 @@ def balance(w: Workload, schedule: str, ranks: int = 2) -> list[int]:
 
 def order(w: Workload, schedule: str, bal: list[int], ranks: int = 2, by_cost: bool = True,
           lean: bool = False):
-    """What fastpipe runs for ``schedule`` over ``bal``: the name, or a
-    zero-bubble ``Schedule`` ordered by the workload's measured stage costs
-    where that simulates faster, as ``fastpipe.plan`` chooses
-    (``fastpipe._plan.ordered``); always the name when not ``by_cost``.
-    ``lean``: the schedule's lean order (``build(lean=True)``), likewise."""
+    """What fastpipe runs for ``schedule`` over ``bal``: its name, as a user
+    writes it (a zero-bubble Pipe then reorders itself for its second step's
+    measured action times, ``Pipe(schedule=)``); with ``by_cost`` False the
+    built-in list as a ``Schedule``, which runs as given. ``lean``: the
+    schedule's lean order (``build(lean=True)``), ordered for the workload's
+    profiled stage costs where that simulates faster, as ``fastpipe.plan``
+    does (``fastpipe._plan.ordered``)."""
     from bench._workloads import _profile
     from fastpipe._plan import _cost_fn, _stage_sums, ordered
-    from fastpipe.schedules import build
+    from fastpipe.schedules import build, orders_by_cost
 
     spr = 2 if schedule in TWO_STAGES else 1
+    if not lean:
+        return schedule if by_cost or not orders_by_cost(schedule) else \
+            build(schedule, ranks, w.chunks, stages_per_rank=spr)
+    built = build(schedule, ranks, w.chunks, stages_per_rank=spr, lean=True)
     if not by_cost:
-        return build(schedule, ranks, w.chunks, stages_per_rank=spr, lean=True) if lean else schedule
-    built = build(schedule, ranks, w.chunks, stages_per_rank=spr, lean=lean)
+        return built
     cost = _cost_fn(_stage_sums(_profile(w.name), bal), "never", w.chunks, built, 0.0)
-    chosen = ordered(built, cost, lean=lean)[0]
-    return schedule if chosen is built and not lean else chosen
+    return ordered(built, cost, lean=True)[0]
 
 
-def describe_orders(orders: dict) -> str:
-    """Which schedules fastpipe runs in an order of their own, for a report."""
-    by_cost = [s for s, o in orders.items() if not isinstance(o, str)]
-    return ("  ordered by the measured stage costs (fastpipe only, as fastpipe.plan orders them): "
-            + (", ".join(by_cost) if by_cost else "none"))
+def reordered(pipe) -> bool:
+    """Whether ``pipe`` reordered its zero-bubble schedule for a measured step."""
+    from fastpipe.schedules import build
+
+    s = pipe.schedule
+    return s.actions != build(s.name, s.ranks, s.microbatches, s.stages // s.ranks).actions
+
+
+def describe_orders(orders: dict, moved: list[str] | None = None) -> str:
+    """How fastpipe orders its zero-bubble schedules here, for a report
+    (``moved``: the ones whose Pipe reordered itself, where known)."""
+    from fastpipe.schedules import orders_by_cost
+
+    named = [s for s, o in orders.items() if isinstance(o, str) and orders_by_cost(o)]
+    if not named:
+        return "  zero-bubble orders: the built-in lists"
+    line = ("  zero-bubble orders: each Pipe's own, for its second step's measured action times "
+            f"({', '.join(named)})")
+    if moved is not None:
+        line += "; reordered: " + (", ".join(moved) if moved else "none")
+    return line
 
 
 def _torch_stage_ids(schedule: str, rank: int, ranks: int) -> list[int]:
@@ -162,7 +182,9 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
     w = WORKLOADS[name]
     chunks, loss_fn = w.chunks, w.loss_fn
     x, y = w.data()
-    pipes, runners, unavailable = [], {}, {}
+    from fastpipe.schedules import orders_by_cost
+
+    pipes, runners, unavailable, ours = [], {}, {}, {}
     try:
         # The baselines run on rank 0 alone; the other rank waits at the
         # barrier around each timed call.
@@ -178,9 +200,11 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
                 pipes.append(Pipe(w.build(), chunks=chunks, schedule=orders[schedule], balance=bal,
                                   stages_per_rank=spr, **kwargs))
                 runners[schedule, variant] = functools.partial(pipes[-1].step, x, y, loss_fn)
-            if not isinstance(orders[schedule], str):  # the built-in order beside it
-                pipes.append(Pipe(w.build(), chunks=chunks, schedule=schedule, balance=bal,
-                                  stages_per_rank=spr, overlap=False, shm=None))
+            ours[schedule] = pipes[-len(variants)]
+            if isinstance(orders[schedule], str) and orders_by_cost(schedule):
+                # The built-in order beside the one the Pipe picks for itself.
+                pipes.append(Pipe(w.build(), chunks=chunks, schedule=order(w, schedule, bal, world, False),
+                                  balance=bal, stages_per_rank=spr, overlap=False, shm=None))
                 runners[schedule, "built-in"] = functools.partial(pipes[-1].step, x, y, loss_fn)
             try:
                 runners[schedule, "theirs"] = functools.partial(
@@ -190,11 +214,12 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
         # In turns (three steps each per round), so a slow spell of the
         # machine falls on every row and on the baselines alike.
         times = round_robin_medians(runners, warmup, max(1, repeats // 3), dist.barrier, per_round=3)
+        moved = [s for s, pipe in ours.items() if orders_by_cost(s) and reordered(pipe)]
     finally:
         for pipe in pipes:
             pipe.close()
         dist.destroy_process_group()
-    queue.put((rank, {**times, **unavailable}))
+    queue.put((rank, {**times, **unavailable, "reordered": moved}))
 
 
 def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int = 2,
@@ -212,7 +237,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
           f"efficiency {ideal / alone:.2f}")
     print("  layers per stage (both libraries): " + ", ".join(
         f"{s} {balances[s]}" for s in schedules))
-    print(describe_orders(orders))
+    print(describe_orders(orders, times["reordered"]))
     plain_head = f"{'autograd-B ms':>15}{'torch/autograd-B':>18}{'eff autograd-B':>16}" if autograd_b else ""
     print(f"  {'schedule':<18}{'fastpipe ms':>12}{'gloo ms':>9}{'lanes ms':>10}{'torch ms':>10}"
           f"{'torch/fastpipe':>16}{'gloo/default':>14}{'lanes/default':>15}{'eff fastpipe':>14}"
@@ -236,7 +261,7 @@ def run(w: Workload, repeats: int, warmup: int, schedules: list[str], ranks: int
     builtin = [(s, times[s, "built-in"], times[s, "ours"]) for s in schedules if (s, "built-in") in times]
     if builtin:
         print("  the same schedules in their built-in order: " + ", ".join(
-            f"{s} {b * 1e3:.1f} ms (built-in/ordered {b / o:.2f})" for s, b, o in builtin))
+            f"{s} {b * 1e3:.1f} ms (built-in/fastpipe {b / o:.2f})" for s, b, o in builtin))
 
 
 def main(argv=None) -> int:

@@ -57,8 +57,9 @@ def _summary(sim, rank: int) -> dict[str, float]:
 
 
 def _record(w, schedule: str, bal, runs, warmup: int, steps: int, trace: str | None, **where) -> list:
-    """``steps`` recorded steps of ``schedule`` (run as ``runs``: its name or
-    its order for the measured costs) after ``warmup`` plain ones."""
+    """``steps`` recorded steps of ``schedule`` (run as ``runs``: its name,
+    which a zero-bubble Pipe reorders after its second step, or the built-in
+    list) after ``warmup`` plain ones."""
     from fastpipe import Pipe
 
     x, y = w.data()

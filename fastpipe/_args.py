@@ -50,6 +50,7 @@ class Settings:
     shm: bool | None  # FASTPIPE_SHM=0 is shm=False
     free_remote: bool
     switches: Switches
+    by_name: bool = False  # the schedule was given by name (its order is fastpipe's to choose)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         chunks, schedule, balance, stages_per_rank, checkpoint = from_plan(
             plan, chunks, schedule, balance, stages_per_rank, checkpoint)
     check_chunks(chunks)
+    by_name = isinstance(schedule, str)
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be 'none' or 'selective', got {recompute!r}")
     from fastpipe.runtime.checkpoint import check_mode
@@ -158,7 +160,7 @@ def settings(model: Any, chunks, schedule, balance, devices, stages_per_rank, gr
         exact=exact, timeout=check_timeout(timeout),
         overlap=overlap if overlap is not None else not exact and any(d.type != "cpu" for d in devices),
         checkpoint=checkpoint, recompute=recompute, wire={"F": wire_dtype, "B": grad_wire_dtype},
-        fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=env)
+        fused_wgrad=fused_wgrad, shm=shm, free_remote=free_remote, switches=env, by_name=by_name)
 
 
 def loss_scale(scaler, group: dist.ProcessGroup | None, distributed: bool,

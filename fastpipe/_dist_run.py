@@ -99,7 +99,7 @@ class DistRunner:
                                 gather_w=cfg.switches.gather_w,
                                 known_losses=cfg.switches.known_losses, grads_done=grads_done)
         if recording is not None:
-            dist.barrier(group=self.group)  # every rank's clock starts together
+            finish(dist.barrier(group=self.group, async_op=True))  # every rank's clock starts together
             executor.records = recording
         # NCCL: the rank's work runs on its own compute stream; isend is
         # issued there after the data's kernels, and Work.wait() there
@@ -226,6 +226,10 @@ class DistRunner:
             raise PeerError(f"pipeline rank {owner} failed after its last message of the step: "
                             f"{reason.decode('utf-8', 'replace')}")
         return packed[0].to(_LOSS_DTYPES[int(code)])
+
+    def set_schedules(self, training, inference) -> None:
+        """Another order of the same placement, from the next step on: the
+        transport makes its receive rings for each action list it begins."""
 
     def finish_loss_broadcast(self) -> None:
         """Waits for the last step's loss broadcast, if it is still in flight."""

@@ -171,11 +171,13 @@ class LocalRunner:
         self.recv_rings = None
 
     def set_schedules(self, training, inference) -> None:
-        """Other lowered schedules (another order of the same placement),
-        before any step ran: the receive rings are sized from these."""
-        if self.recv_rings is not None:
-            raise RuntimeError("the receive rings were sized for the schedules already run")
+        """Other lowered schedules (another order of the same placement), from
+        the next step on. Receive rings not made yet are sized for these; the
+        ones made keep their slots and grow if this order needs more."""
         self._training, self._inference = training, inference
+        if self.recv_rings is not None:
+            for stream, n in copy_slots(training.actions).items():
+                self.recv_rings.sizes[stream] = max(n, self.recv_rings.sizes.get(stream, 0))
 
     def _rings(self) -> ReceiveRings:
         if self.recv_rings is None:

@@ -29,7 +29,8 @@ from fastpipe.balance._partition import improve
 from fastpipe.runtime.checkpoint import MODES, checkpointed
 from fastpipe.schedules import Action, Kind, Schedule, Simulation, build, names, orders_by_cost
 
-__all__ = ["Candidate", "Plan", "balance_for", "order_for", "ordered", "parse_bytes", "plan", "rank_memory"]
+__all__ = ["Candidate", "Plan", "balance_for", "order_for", "order_measured", "ordered", "parse_bytes", "plan",
+           "rank_memory"]
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,40 @@ def order_for(prof: Profile, balance: Sequence[int], schedule: Schedule, mode: s
     cost = _cost_fn(_stage_sums(prof, balance), mode, schedule.microbatches, schedule, transfer_cost)
     chosen = ordered(schedule, cost)[0]
     return None if chosen is schedule else chosen
+
+
+def order_measured(schedule: Schedule, seconds: dict[tuple[int, str], float]) -> Schedule | None:
+    """The order a zero-bubble ``schedule`` runs in from the next step, for
+    the ``seconds`` a recorded step spent in each (stage, action kind, e.g.
+    ``"I"``), every rank's: ``ordered``'s choice for each kind's mean per
+    action, where it simulates at least 1 % faster and no rank holds more
+    microbatches in flight or waiting for their W than in ``schedule``; None
+    keeps ``schedule``.
+
+    Why from a step and not from a profile: the built-in orders assume
+    F = I = W, a profile times one layer at a time, and what an action
+    costs inside the pipeline (a deferred W gathered over microbatches, the
+    ranks slowing each other down, an engine call's fixed cost) is only
+    seen there. A W action that gathers costs little and the stage's flush
+    the rest: the mean per action is what the list scheduler can use.
+    """
+    if not orders_by_cost(schedule.name):
+        return None
+    counts: dict[tuple[int, str], int] = {}
+    for row in schedule.actions:
+        for a in row:
+            counts[(a.stage, a.kind.value)] = counts.get((a.stage, a.kind.value), 0) + 1
+    mean = {k: seconds.get(k, 0.0) / n for k, n in counts.items()}
+
+    def cost(a: Action) -> float:
+        return mean.get((a.stage, a.kind.value), 0.0)
+
+    chosen, sim = ordered(schedule, cost)
+    if chosen is schedule:
+        return None
+    now = schedule.simulate(cost)
+    held = all(a <= b for a, b in zip(sim.peak_held, now.peak_held))
+    return chosen if held and sim.makespan < 0.99 * now.makespan else None
 
 
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:

@@ -18,7 +18,13 @@ from fastpipe._outputs import backward_into_inputs, no_backward
 from fastpipe._placement import Placement
 from fastpipe._stages import changed_layer
 from fastpipe.runtime.executor import LossFn, Stage
-from fastpipe.schedules import Schedule, lower
+from fastpipe.runtime.transport.groups import all_reduce, broadcast
+from fastpipe.schedules import Schedule, lower, orders_by_cost
+
+# The training step whose measured action costs reorder a zero-bubble
+# schedule given by name (counted from 0): the first runs cold (plans made,
+# buffers grown, pages faulted), the second as the rest will.
+ORDER_STEP = 1
 
 __all__ = ["Pipe"]
 
@@ -56,6 +62,12 @@ class Pipe(nn.Module):
         chunks: microbatches per step; the batch is split along dim 0 into
             exactly this many parts (sizes differ by at most one).
         schedule: a name from ``fastpipe.schedules.names()`` or a ``Schedule``.
+            A zero-bubble schedule given by name (zb-h1, zb-h2, zbv) is
+            reordered once, after its second training step, for the F, I and
+            W times that step measured on every rank, where that simulates
+            faster without holding more (``pipe.schedule`` is then that
+            order; not under ``torch.use_deterministic_algorithms``, since
+            the order moves W's rounding); a ``Schedule`` runs as given.
         balance: layers per stage, e.g. ``[3, 5]``; None balances parameter
             counts; ``"auto"`` balances layer times measured on the first
             microbatch of the first ``step``, and runs a zero-bubble
@@ -158,6 +170,10 @@ class Pipe(nn.Module):
         # Replicas and tied copies are compared before the first step (and after a load).
         self._weights_checked = not self.distributed
         self._recording: list | None = None  # set by step_with_timeline
+        # A zero-bubble schedule given by name is reordered once for the
+        # action costs measured in this training step (``_order_by_step``).
+        self._steps = 0
+        self._order_at = ORDER_STEP if cfg.by_name and orders_by_cost(self.schedule.name) else None
         if self._place.stages is not None and cfg.free_remote:  # last: nothing above may fail after it
             self._place.free_remote()
         log.info("pipe: %s, %d ranks, balance %s", self.schedule.name, self.schedule.ranks,
@@ -218,6 +234,23 @@ class Pipe(nn.Module):
             RuntimeError: called with gradients disabled (``torch.no_grad()``).
             ValueError / TypeError: inputs that cannot be split into ``chunks``.
         """
+        measure = self._order_at is not None and self._steps >= self._order_at
+        own = measure and self._recording is None  # else step_with_timeline records it
+        if own:
+            self._recording = []
+        try:
+            loss = self._train_step(x, target, loss_fn, scaler)
+        finally:
+            records = self._recording
+            if own:
+                self._recording = None
+        self._steps += 1
+        if measure:
+            self._order_at = None  # once
+            self._order_by_step(records)
+        return loss
+
+    def _train_step(self, x: Any, target: Any, loss_fn: LossFn, scaler) -> torch.Tensor:
         loss_fn, factor = self._begin_step(x, loss_fn, scaler)
         inputs, targets, refused = self._split_inputs(x, target)
         tied = self._place.tied
@@ -294,9 +327,45 @@ class Pipe(nn.Module):
         self.schedule = schedule
         self._lowered = lower(schedule)
         self._forward_only = lower(_args.forward_schedule(schedule))
-        if not self.distributed:
-            self._runner.set_schedules(self._lowered, self._forward_only)
+        self._runner.set_schedules(self._lowered, self._forward_only)
         log.info("pipe: %s ordered by the measured stage costs", schedule.name)
+
+    def _order_by_step(self, records: list) -> None:
+        """After the step ``records`` timed, runs a zero-bubble schedule in the
+        order its measured action costs favour (``_plan.order_measured``),
+        from the next step on; every rank (and replica) takes the same order.
+
+        Skipped where torch is asked for deterministic algorithms on any
+        rank: the order changes how W sums microbatches, so the rounding of
+        later steps would depend on timings.
+        """
+        from fastpipe._plan import order_measured
+
+        kinds, stages = "FBIW", self.schedule.stages
+        # Seconds per (stage, kind), then whether deterministic algorithms are
+        # on: each rank fills its own stages', the sum is everyone's.
+        sums = torch.zeros(stages * len(kinds) + 1, dtype=torch.float64)
+        for r in records:
+            if r.track == "compute":
+                sums[r.action.stage * len(kinds) + kinds.index(r.action.kind.value)] += r.end - r.start
+        sums[-1] = float(torch.are_deterministic_algorithms_enabled())
+        if self.distributed:
+            self._runner.finish_loss_broadcast()
+            device = self.devices[self.rank]
+            sums = sums.to(device)
+            all_reduce(sums, group=self.group)
+            if self.dp_group is not None:  # every replica runs the first one's order
+                broadcast(sums, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
+            sums = sums.cpu()
+        if sums[-1] > 0:
+            return
+        seconds = {(i // len(kinds), kinds[i % len(kinds)]): t
+                   for i, t in enumerate(sums[:-1].tolist()) if t > 0}
+        chosen = order_measured(self.schedule, seconds)
+        if chosen is None:
+            return
+        self._run_order(chosen)
+        self._grad_average = None  # its buckets follow the order of each stage's last backward
 
     def step_with_timeline(self, x: Any, target: Any, loss_fn: LossFn, scaler=None):
         """Like ``step``, and also returns the step's measured timeline.
@@ -308,7 +377,7 @@ class Pipe(nn.Module):
         """
         from fastpipe.runtime.timeline import measured
 
-        self._recording = []
+        self._recording, lowered = [], self._lowered  # the order this step runs in
         try:
             loss = self.step(x, target, loss_fn, scaler)
             records = self._recording
@@ -319,7 +388,7 @@ class Pipe(nn.Module):
             gathered: list = [None] * self.schedule.ranks
             dist.all_gather_object(gathered, records, group=self.group)
             records = [r for part in gathered for r in part]
-        return loss, measured(self._lowered, records)
+        return loss, measured(lowered, records)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The entries of the stages this process holds (every stage in local

@@ -46,6 +46,9 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             model = getattr(models, case["model"])()
             # balance="auto" sees W at a quarter of F (made up, so the order it picks is certain).
             restore = _profile_cheap_w() if case.get("cheap_w") else (lambda: None)
+            seen = []  # forced_order: what the reorder after the second step was given
+            if case.get("forced_order"):
+                restore = _force_order(seen)
             # NCCL's message rules (exact sizes, order not tags), on gloo; inline only.
             os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if case.get("exact") else "0"
             shm_mod.CAPACITY = case.get("shm_capacity", capacity)
@@ -88,7 +91,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                             "input_grads": input_grads, "norm": norm, "order": pipe.schedule.actions,
                             "meta": meta, "refused": refused,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
-                            "staged": pipe._runner.shm_link[0].staged_total if pipe.shm else 0})
+                            "staged": pipe._runner.shm_link[0].staged_total if pipe.shm else 0,
+                            "measured": seen})
             restore()
         torch.save({"ok": results}, out_path)
     except BaseException:
@@ -109,6 +113,24 @@ def _profile_cheap_w():
 
     real, balance_mod.profile = balance_mod.profile, cheap_w
     return lambda: setattr(balance_mod, "profile", real)
+
+
+def _force_order(seen: list):
+    """Makes the Pipe's reorder after a measured step take the zero-bubble
+    order for W at a quarter of F (so the order it runs next is certain) and
+    keeps the seconds it was given in ``seen``; returns the undo."""
+    import fastpipe._plan as plan_mod
+    from fastpipe.schedules import build
+
+    real = plan_mod.order_measured
+
+    def forced(schedule, seconds):
+        seen.append(dict(seconds))
+        return build(schedule.name, schedule.ranks, schedule.microbatches,
+                     schedule.stages // schedule.ranks, costs={"F": 1.0, "I": 1.0, "W": 0.25})
+
+    plan_mod.order_measured = forced
+    return lambda: setattr(plan_mod, "order_measured", real)
 
 
 def _amp(case: dict):

@@ -112,12 +112,21 @@ def test_two_ranks_every_schedule(tmp_path):
         _case("zbv", model="five_model", balance=[2, 1, 1, 1], steps=2),
         *[_case(s, input_grad=True, steps=2) for s in ("1f1b", "zb-h2", "zbv", "dualpipev")],
         _case("zbv", model="mlp_deep", chunks=8, balance="auto", cheap_w=True, steps=2),
+        # Reordered for the costs measured in the second step, then two steps in that order.
+        _case("zb-h1", model="gpt", chunks=8, steps=4, lm=True, forced_order=True),
     ]
     results = _spawn(2, cases, tmp_path)
     _verify(cases, results)
     # balance="auto" ran the order for the (made-up) measured costs, the same on both ranks.
-    orders = [r[-1]["order"] for r in results]
+    orders = [r[-2]["order"] for r in results]
     assert orders[0] == orders[1] != build("zbv", 2, 8).actions
+    # Every rank was given every stage's measured seconds (the same), once, and runs the order.
+    seen = [r[-1]["measured"] for r in results]
+    assert len(seen[0]) == 1 and seen[0] == seen[1]
+    assert set(seen[0][0]) == {(s, k) for s in range(2) for k in "FIW"}
+    assert all(t > 0 for t in seen[0][0].values())
+    forced = build("zb-h1", 2, 8, costs={"F": 1.0, "I": 1.0, "W": 0.25}).actions
+    assert [r[-1]["order"] for r in results] == [forced, forced] != build("zb-h1", 2, 8).actions
 
 
 SHM = {"shm": True, "overlap": False}

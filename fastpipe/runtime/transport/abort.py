@@ -35,7 +35,7 @@ def fail_step(t: DistTransport, exc: BaseException, unsent: Iterable[tuple[Key, 
 
     Notices wait at most a few seconds (``min(timeout, 10)``) to be taken.
     """
-    for rings in t._recv_rings.values():  # no more receives get posted
+    for _, rings in t._recv_rings.values():  # no more receives get posted
         for ring in rings.values():
             ring.cancel(f"the step failed: {exc!r}")
     notices = _send_notices(t, exc, unsent)

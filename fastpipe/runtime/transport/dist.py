@@ -51,6 +51,24 @@ from fastpipe.schedules import Action, Kind
 __all__ = ["DistTransport"]
 
 
+_KEPT = 3  # action lists whose rings (or orders) a transport keeps: training, inference, one more
+
+
+def _cached(cache: dict, actions: Sequence, make):
+    """``cache``'s value for this very list (by identity: a list's id may be
+    reused once it is gone), made on a miss; the oldest of more than
+    ``_KEPT`` lists goes (a Pipe that reorders its schedule leaves one behind)."""
+    hit = cache.get(id(actions))
+    if hit is not None and hit[0] is actions:
+        return hit[1]
+    value = make()
+    cache.pop(id(actions), None)
+    cache[id(actions)] = (actions, value)
+    while len(cache) > _KEPT:
+        del cache[next(iter(cache))]
+    return value
+
+
 @dataclass
 class _Posted:
     """A receive posted into a slot of its stream's ring."""
@@ -121,7 +139,7 @@ class DistTransport:
     _sends: list = field(default_factory=list)
     _capacity: dict = field(default_factory=dict)
     _seen: dict = field(default_factory=dict)
-    _recv_rings: dict = field(default_factory=dict)  # id(actions) -> {stream: BufferRing}
+    _recv_rings: dict = field(default_factory=dict)  # id(actions) -> (actions, {stream: BufferRing})
     _send_rings: dict = field(default_factory=dict)  # stream -> BufferRing
     _rings: dict = field(default_factory=dict)  # this step's receive rings
     _events: list = field(default_factory=list)  # this step's lane tasks
@@ -142,7 +160,7 @@ class DistTransport:
     all_actions: Sequence = ()  # exact: every rank's lowered list of the step (set by the Pipe)
     # exact, per step: keys each peer sends us, in its order, not yet posted;
     # posted receives not yet completed, in that order; completed, not taken.
-    _orders: dict = field(default_factory=dict)  # id(all_actions) -> sender_orders(...)
+    _orders: dict = field(default_factory=dict)  # id(all_actions) -> (all_actions, sender_orders(...))
     _order: dict = field(default_factory=dict)
     _inflight: dict = field(default_factory=dict)
     _ready: dict = field(default_factory=dict)
@@ -182,15 +200,12 @@ class DistTransport:
 
     def begin(self, actions: Sequence[Action]) -> None:
         """Picks (or makes) the receive rings for this action list."""
-        rings = self._recv_rings.get(id(actions))
-        if rings is None:
-            rings = {
-                # exact: receives follow the senders' order, which may need a
-                # slot before this rank's own order frees one: grow then.
-                stream: BufferRing(n, self.buffers, growable=self.exact, timeout=self.timeout)
-                for stream, n in receive_slots(actions).items()
-            }
-            self._recv_rings[id(actions)] = rings
+        rings = _cached(self._recv_rings, actions, lambda: {
+            # exact: receives follow the senders' order, which may need a
+            # slot before this rank's own order frees one: grow then.
+            stream: BufferRing(n, self.buffers, growable=self.exact, timeout=self.timeout)
+            for stream, n in receive_slots(actions).items()
+        })
         self._rings = rings
         self._mode = step_mode(actions)
         self._sends = []
@@ -199,10 +214,8 @@ class DistTransport:
         self._window = deque()
         self._expected = []
         if self.exact:
-            orders = self._orders.get(id(self.all_actions))
-            if orders is None:  # the lists live as long as the Pipe, like the rings above
-                orders = sender_orders(self.all_actions, self.rank, self.stage_to_rank)
-                self._orders[id(self.all_actions)] = orders
+            orders = _cached(self._orders, self.all_actions,
+                             lambda: sender_orders(self.all_actions, self.rank, self.stage_to_rank))
             self._order = {src: deque(keys) for src, keys in orders.items()}
             self._inflight = {src: deque() for src in self._order}
             self._ready = {}
