@@ -61,13 +61,24 @@ def _grads(case: dict, mesh) -> dict:
 
     model = getattr(models, case["model"])()
     pipe = _pipe(case, model, mesh)
-    losses = []
-    for batch in case["batches"]:
-        losses.append(pipe.step(*_shard(batch, mesh), _loss_fn(case)))
+    losses, seen = [], []  # forced_order: what the reorder after the second step was given
+    restore = _force_order(seen) if case.get("forced_order") else (lambda: None)
+    try:
+        for batch in case["batches"]:
+            losses.append(pipe.step(*_shard(batch, mesh), _loss_fn(case)))
+    finally:
+        restore()
     norm = pipe.clip_grad_norm_(case["clip"]) if case.get("clip") else None
     held = pipe.state_dict(keep_vars=True)
     grads = {n: t.grad for n, t in held.items() if isinstance(t, nn.Parameter) and t.grad is not None}
-    return {"losses": losses, "grads": grads, "norm": norm}
+    return {"losses": losses, "grads": grads, "norm": norm, "measured": seen,
+            "order": pipe.schedule.actions}
+
+
+def _force_order(seen: list):
+    from tests._dist_worker import _force_order as force
+
+    return force(seen)
 
 
 def _refused(case: dict, mesh) -> dict:

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import fastpipe
+from fastpipe.schedules import build
 from tests import models
 from tests.support import spawn_ranks
 
@@ -58,6 +59,9 @@ def test_dp_times_pp_reproduces_the_global_batch(tmp_path):
                   "chunks": CHUNKS, "batches": _batches("tied", 2), "clip": 0.05})
     cases.append({"kind": "grads", "model": "gpt", "schedule": "zbv", "chunks": CHUNKS, "lm": True,
                   "batches": _batches("gpt", 1), "shm": True, "fused": True})
+    # Reordered for the second step's measured costs: every replica takes the first one's.
+    cases.append({"kind": "grads", "model": "gpt", "schedule": "zb-h1", "chunks": CHUNKS, "lm": True,
+                  "batches": _batches("gpt", 4), "forced_order": True})
     # Replicas (or tied copies) that start apart are refused on every rank.
     cases.append({"kind": "refused", "model": "gpt", "schedule": "1f1b", "chunks": CHUNKS, "lm": True,
                   "batches": _batches("gpt", 1), "apart": "dp"})
@@ -81,6 +85,11 @@ def test_dp_times_pp_reproduces_the_global_batch(tmp_path):
             for rank_results in results:
                 assert f"{who[case['apart']]} start from different values" in rank_results[i]["refused"]
             continue
+        if case.get("forced_order"):  # the same seconds (replica 0's) on all four ranks, once
+            seen = [r[i]["measured"] for r in results]
+            assert len(seen[0]) == 1 and all(x == seen[0] for x in seen), seen
+            forced = build("zb-h1", 2, CHUNKS, costs={"F": 1.0, "I": 1.0, "W": 0.25}).actions
+            assert all(r[i]["order"] == forced for r in results)
         losses, ref_grads, norm = _reference(case)
         for rank_results in results:
             got = rank_results[i]
