@@ -51,13 +51,13 @@ from fastpipe.schedules import Action, Kind
 __all__ = ["DistTransport"]
 
 
-_KEPT = 3  # action lists whose rings (or orders) a transport keeps: training, inference, one more
+_KEPT = 2  # action lists whose rings (or orders) a transport keeps: a Pipe's training and inference
 
 
 def _cached(cache: dict, actions: Sequence, make):
     """``cache``'s value for this very list (by identity: a list's id may be
     reused once it is gone), made on a miss; the oldest of more than
-    ``_KEPT`` lists goes (a Pipe that reorders its schedule leaves one behind)."""
+    ``_KEPT`` lists goes (a Pipe that reorders its schedule leaves two behind)."""
     hit = cache.get(id(actions))
     if hit is not None and hit[0] is actions:
         return hit[1]
