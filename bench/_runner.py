@@ -62,6 +62,9 @@ def workload_parser(prog: str, doc: str | None, schedules: list[str]):
                         help="the GPT (first) and/or the MLP stack, or a Hugging Face model "
                              "(bench._workloads)")
     parser.add_argument("--workload", choices=["compute", "overhead", "both"], default="both")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="the transformers' block count, in place of the workload's own "
+                             "(a deeper or shallower model of the same width)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(schedules))

@@ -18,6 +18,7 @@ splits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +39,12 @@ class Workload:
     sizes: dict  # the builder's arguments
     batch: int
     chunks: int
+    deeper: bool = False  # blocks set by --blocks: the name says how many
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.size}"
+        base = f"{self.model}-{self.size}"
+        return f"{base}@{self.sizes['blocks']}" if self.deeper else base
 
     def build(self) -> nn.Sequential:
         """The model, the same weights every call (seeded)."""
@@ -154,12 +157,23 @@ def _hf_llama(vocab: int, d: int, heads: int, blocks: int, seq: int) -> nn.Seque
     return causal_lm(LlamaForCausalLM(config).float())
 
 
+def workload(name: str) -> Workload:
+    """The workload a ``Workload.name`` names (``gpt-overhead``, or
+    ``gpt-overhead@14``: the same with 14 blocks), in any process: ranks
+    are given names, not workloads."""
+    base, _, blocks = name.partition("@")
+    w = WORKLOADS[base]
+    if not blocks:
+        return w
+    return dataclasses.replace(w, sizes={**w.sizes, "blocks": int(blocks)}, deeper=True)
+
+
 @functools.cache
 def _profile(name: str):
     """Each layer's measured forward, backward, I and W at one microbatch, one thread."""
     from fastpipe.balance import profile
 
-    w = WORKLOADS[name]
+    w = workload(name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -170,7 +184,11 @@ def _profile(name: str):
 
 
 def selected(args) -> list[Workload]:
-    """The workloads ``--model`` and ``--workload`` ask for, GPT first."""
+    """The workloads ``--model`` and ``--workload`` ask for, GPT first;
+    ``--blocks N`` (where the command has it) gives the transformers N
+    blocks instead of their own count (the MLPs keep theirs)."""
     models = MODELS if args.model == "both" else [args.model]  # HF_MODELS only by name
     sizes = ["compute", "overhead"] if args.workload == "both" else [args.workload]
-    return [WORKLOADS[f"{m}-{s}"] for m in models for s in sizes]
+    blocks = getattr(args, "blocks", None)
+    return [workload(f"{m}-{s}@{blocks}" if blocks and m != "mlp" else f"{m}-{s}")
+            for m in models for s in sizes]

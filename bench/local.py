@@ -30,7 +30,7 @@ same single thread per worker as fastpipe's ranks, which apply the caller's
 count on their lanes themselves.
 
     python -m bench local [--model gpt|mlp|both] [--workload compute|overhead|both]
-                          [--repeats N] [--autograd-b]
+                          [--blocks N] [--repeats N] [--autograd-b]
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from bench._runner import spawn, workload_parser
-from bench._workloads import WORKLOADS, selected
+from bench._workloads import selected, workload
 from bench.pipelining import SCHEDULES, TWO_STAGES, balance, describe_orders, order
 
 _FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -111,7 +111,7 @@ def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps):
     in_use, peak = _heap_reader(), [0]
     _sampling(in_use, peak)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    w = WORKLOADS[name]
+    w = workload(name)
     try:
         results = {label: _measure(w, label.split()[0], balances[label], runs, warmup,
                                    steps, in_use, peak)

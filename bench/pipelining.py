@@ -33,7 +33,7 @@ for the action times its second step measured where that simulates faster
 it; ``--built-in-order`` runs only the built-in lists); torch runs its own.
 
     python -m bench pipelining [--model gpt|mlp|both] [--workload compute|overhead|both]
-                               [--repeats N] [--autograd-b]
+                               [--blocks N] [--repeats N] [--autograd-b]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench._runner import round_robin_medians, spawn, workload_parser
-from bench._workloads import WORKLOADS, Workload, selected
+from bench._workloads import Workload, selected, workload
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zbv", "dualpipev"]
 TWO_STAGES = {"interleaved-1f1b", "looped-bfs", "zbv", "dualpipev"}
@@ -179,7 +179,7 @@ def _rank_main(rank, world, init, queue, name, balances, orders, ceiling, warmup
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    w = WORKLOADS[name]
+    w = workload(name)
     chunks, loss_fn = w.chunks, w.loss_fn
     x, y = w.data()
     from fastpipe.schedules import orders_by_cost

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bench._runner import spawn, workload_parser
-from bench._workloads import WORKLOADS, selected
+from bench._workloads import selected, workload
 from bench.pipelining import SCHEDULES, TWO_STAGES, balance, describe_orders, order
 
 _COMPUTE = ("F", "B", "I", "W")
@@ -80,7 +80,7 @@ def _record(w, schedule: str, bal, runs, warmup: int, steps: int, trace: str | N
 def _rank_main(rank, world, init, queue, name, balances, orders, warmup, steps, trace):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    w = WORKLOADS[name]
+    w = workload(name)
     try:
         results = {s: _record(w, s, bal, orders[s], warmup, steps, trace) for s, bal in balances.items()}
     finally:

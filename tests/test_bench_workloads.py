@@ -1,0 +1,24 @@
+"""The benchmarks' workload names: what a rank is handed resolves to the same model."""
+
+import argparse
+
+from bench._workloads import WORKLOADS, selected, workload
+
+
+def test_a_name_resolves_to_its_workload_and_depth():
+    assert workload("gpt-overhead") is WORKLOADS["gpt-overhead"]
+    deeper = workload("gpt-overhead@14")
+    assert deeper.sizes["blocks"] == 14 and deeper.name == "gpt-overhead@14"
+    assert workload(deeper.name) == deeper
+    assert len(deeper.build()) == 14 + 2  # embedding, blocks, head
+    assert {k: v for k, v in deeper.sizes.items() if k != "blocks"} == {
+        k: v for k, v in WORKLOADS["gpt-overhead"].sizes.items() if k != "blocks"}
+
+
+def test_blocks_deepen_the_transformers_only():
+    args = argparse.Namespace(model="both", workload="overhead", blocks=10)
+    gpt, mlp = selected(args)
+    assert gpt.name == "gpt-overhead@10" and gpt.sizes["blocks"] == 10
+    assert mlp is WORKLOADS["mlp-overhead"]
+    plain = selected(argparse.Namespace(model="gpt", workload="both"))
+    assert [w.name for w in plain] == ["gpt-compute", "gpt-overhead"]
