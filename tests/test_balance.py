@@ -224,13 +224,25 @@ def _step_on_plan(model, made, x, y):
         pipe.close()
 
 
+def _set_times(measured):
+    """``measured`` with every layer's times set (a weight's layer 1 ms forward, others
+    0.1 ms; backward twice the forward): the memory the planner walks stays measured,
+    and which split is fastest (the even one, for a stack of equal blocks) no longer
+    hangs on a loaded machine's timer, as the limits these tests derive from it do."""
+    return dataclasses.replace(measured, layers=tuple(
+        dataclasses.replace(p, forward=t, backward=2 * t, input_backward=t, weight_backward=t)
+        for p, t in ((p, 1e-3 if p.param_bytes else 1e-4) for p in measured.layers)))
+
+
 def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
     """A limit below what 1F1B without checkpointing needs: the planner picks a
     plan that fits, and the executor's own peak stays under the limit."""
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
     x, y = torch.randn(1024, 64), torch.randn(1024, 64)  # activations outweigh parameters
-    free = plan(model, x, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"])
+    prof = _set_times(profile(model, x, "cpu", 8))
+    free = plan(model, x, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"], prof=prof)
+    assert list(free.best.balance) == [6, 6]
     need = max(free.best.memory)
     everything = plan(model, x, 2, chunks=[8], prof=free.profile)
     least = min(max(c.memory) for c in everything.candidates)
@@ -284,7 +296,8 @@ def test_a_memory_limit_can_choose_a_lean_zero_bubble_order():
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
     x, y = torch.randn(1024, 64), torch.randn(1024, 64)
-    free = plan(model, x, 2, schedules=["zbv"], chunks=[8], checkpoints=["never"])
+    free = plan(model, x, 2, schedules=["zbv"], chunks=[8], checkpoints=["never"],
+                prof=_set_times(profile(model, x, "cpu", 8)))
     default, lean = [next(c for c in free.candidates if c.lean is flag) for flag in (False, True)]
     assert max(lean.memory) < 0.8 * max(default.memory)
     limit = (max(lean.memory) + max(default.memory)) // 2
@@ -311,12 +324,7 @@ def test_a_memory_limit_can_move_the_split():
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))])
     x, y = torch.randn(1024, 64), torch.randn(1024, 64)
-    # The memory the walk books is measured; the times are set, so which
-    # split is fastest (the even one) does not hang on a loaded machine's timer.
-    measured = profile(model, x, "cpu", 8)
-    prof = dataclasses.replace(measured, layers=tuple(
-        dataclasses.replace(p, forward=t, backward=2 * t, input_backward=t, weight_backward=t)
-        for p, t in ((p, 1e-3 if p.param_bytes else 1e-4) for p in measured.layers)))
+    prof = _set_times(profile(model, x, "cpu", 8))
     free = plan(model, x, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"], prof=prof)
     fastest = free.best
     assert list(fastest.balance) == [6, 6]
