@@ -39,12 +39,12 @@ class Workload:
     sizes: dict  # the builder's arguments
     batch: int
     chunks: int
-    deeper: bool = False  # blocks set by --blocks: the name says how many
+    blocks_set: bool = False  # blocks set by --blocks: the name says how many
 
     @property
     def name(self) -> str:
         base = f"{self.model}-{self.size}"
-        return f"{base}@{self.sizes['blocks']}" if self.deeper else base
+        return f"{base}@{self.sizes['blocks']}" if self.blocks_set else base
 
     def build(self) -> nn.Sequential:
         """The model, the same weights every call (seeded)."""
@@ -165,7 +165,9 @@ def workload(name: str) -> Workload:
     w = WORKLOADS[base]
     if not blocks:
         return w
-    return dataclasses.replace(w, sizes={**w.sizes, "blocks": int(blocks)}, deeper=True)
+    if int(blocks) < 1:
+        raise ValueError(f"a workload needs at least one block, got {blocks} ({name!r})")
+    return dataclasses.replace(w, sizes={**w.sizes, "blocks": int(blocks)}, blocks_set=True)
 
 
 @functools.cache
@@ -190,5 +192,5 @@ def selected(args) -> list[Workload]:
     models = MODELS if args.model == "both" else [args.model]  # HF_MODELS only by name
     sizes = ["compute", "overhead"] if args.workload == "both" else [args.workload]
     blocks = getattr(args, "blocks", None)
-    return [workload(f"{m}-{s}@{blocks}" if blocks and m != "mlp" else f"{m}-{s}")
+    return [workload(f"{m}-{s}@{blocks}" if blocks is not None and m != "mlp" else f"{m}-{s}")
             for m in models for s in sizes]

@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from bench._workloads import WORKLOADS, selected, workload
 
 
@@ -22,3 +24,8 @@ def test_blocks_deepen_the_transformers_only():
     assert mlp is WORKLOADS["mlp-overhead"]
     plain = selected(argparse.Namespace(model="gpt", workload="both"))
     assert [w.name for w in plain] == ["gpt-compute", "gpt-overhead"]
+
+
+def test_no_blocks_is_refused_by_name():
+    with pytest.raises(ValueError, match="at least one block, got 0"):
+        selected(argparse.Namespace(model="gpt", workload="overhead", blocks=0))
