@@ -48,11 +48,14 @@ def _rank_main(rank, world, init, queue, name, repeats, warmup):
         for _ in range(repeats):
             for i, pipe in enumerate(pipes):
                 _, sim = pipe.step_with_timeline(x, y, w.loss_fn)
-                records = [r for r in sim.timeline if r.track == "compute"]
-                steps[i].append(max(r.end for r in records) - min(r.start for r in records))
-                for r in records:
-                    actions[i].setdefault((r.action.kind.value, r.action.stage), []).append(r.end - r.start)
+                steps[i].append(sim.makespan)
+                for r in sim.timeline:
+                    if r.track == "compute":
+                        actions[i].setdefault((r.action.kind.value, r.action.stage), []).append(
+                            r.end - r.start)
     finally:
+        for pipe in pipes:
+            pipe.close()
         dist.destroy_process_group()
     out = []
     for (s, bal), times, acts in zip(runs, steps, actions):
