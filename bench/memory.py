@@ -11,7 +11,7 @@ booked. They should agree: what the executor books is what the planner walks
 (``fastpipe.plan``) and what a user sizes a memory limit by.
 
     python -m bench memory [--model gpt] [--workload compute|overhead]
-                           [--schedules 1f1b,zbv,...] [--repeats N] [--lean] [--fit X]
+                           [--schedules 1f1b,zbv,...] [--repeats N] [--lean] [--fit X] [--walk]
 
 ``--lean`` also runs each zero-bubble schedule's lean order
 (``build(lean=True)``: no microbatch waits for its W beyond the in-flight
@@ -19,7 +19,10 @@ count), as "zbv lean". ``--fit X`` also runs, for each schedule but 1F1B,
 what ``fastpipe.plan`` chooses for it under a memory limit of X times
 1F1B's walk (activations only; order, lean or not, and split), as "zbv
 fit", where anything fits. The step's median time is printed beside (the
-sampling adds the same small cost to every action).
+sampling adds the same small cost to every action). ``--walk`` runs nothing
+and prints the planner's candidates for the schedules instead (``Plan.explain``:
+each order's simulated step and walked peak per rank, lean and lean/bytes
+among them).
 
 Linux with glibc 2.33 or later only (``mallinfo2``).
 """
@@ -143,6 +146,19 @@ def _fitted(w, schedules: list[str], factor: float, ranks: int) -> dict:
     return out
 
 
+def walk(w, schedules: list[str], ranks: int = 2) -> None:
+    """Runs nothing: ``fastpipe.plan``'s candidates for ``schedules`` over the
+    workload's profile (no checkpointing, parameters left out), each with its
+    simulated step and walked peak per rank (``Plan.explain``)."""
+    from bench._workloads import _profile
+    from fastpipe import plan
+
+    x, _ = w.data()
+    print(f"\n{w.name}: {w.describe()}, {ranks} ranks; the planner's walk, activations only")
+    plan(w.build(), x, ranks, schedules=schedules, chunks=[w.chunks], checkpoints=["never"],
+         param_scale=0.0, prof=_profile(w.name)).explain()
+
+
 def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True,
         lean: bool = False, fit: float | None = None) -> None:
     from fastpipe.schedules import orders_by_cost
@@ -181,7 +197,14 @@ def main(argv=None) -> int:
     parser.add_argument("--fit", type=float, default=None, metavar="X",
                         help="also run what fastpipe.plan picks for each schedule under X times "
                              "1F1B's memory walk")
+    parser.add_argument("--walk", action="store_true",
+                        help="run nothing: print fastpipe.plan's candidates for the schedules "
+                             "(simulated step, walked peak per rank: default, lean, lean/bytes)")
     args = parser.parse_args(argv)
+    if args.walk:
+        for w in selected(args):
+            walk(w, args.schedules.split(","))
+        return 0
     if _heap_reader() is None:
         raise SystemExit("bench memory needs glibc's mallinfo2 (glibc 2.33 or later)")
     for w in selected(args):

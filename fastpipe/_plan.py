@@ -28,6 +28,7 @@ from fastpipe.balance import Profile, partition, profile
 from fastpipe.balance._partition import improve
 from fastpipe.runtime.checkpoint import MODES, checkpointed
 from fastpipe.schedules import Action, Kind, Schedule, Simulation, build, names, orders_by_cost
+from fastpipe.schedules._greedy import peak_bytes
 
 __all__ = ["Candidate", "Plan", "balance_for", "order_for", "order_measured", "ordered", "parse_bytes", "plan",
            "rank_memory"]
@@ -51,6 +52,7 @@ class Candidate:
     memory: tuple[int, ...]  # peak bytes per rank
     order: Schedule | None = field(default=None, compare=False, repr=False)
     lean: bool = False  # the order is ``build(..., lean=True)``'s: less held for W
+    sized: bool = False  # lean, its cap counting each stage's bytes (``build(sizes=)``)
 
     def fits(self, limit: int | None) -> bool:
         return limit is None or max(self.memory) <= limit
@@ -102,12 +104,13 @@ class Plan:
         for c in self.candidates[:top]:
             mark = "*" if c == self.best else " " if c.fits(self.memory_limit) else "x"
             mem = " / ".join(format_bytes(m) for m in c.memory)
-            name = c.schedule + (" lean" if c.lean else "~" if c.order is not None else "")
+            name = c.schedule + (" lean/bytes" if c.sized else " lean" if c.lean
+                                 else "~" if c.order is not None else "")
             rows.append(f"{mark:2}{name:<18}{c.chunks:>7}{c.checkpoint:>12}"
                         f"{c.step_seconds * 1e3:>10.2f}{c.bubble_ratio:>8.3f}{mem:>22}  {list(c.balance)}")
         limit = "none" if self.memory_limit is None else format_bytes(self.memory_limit)
         rows.append(f"  (* chosen, x over the memory limit: {limit}; ~ ordered by the measured "
-                    f"costs; lean: the F-to-W cap at the F-to-I cap; "
+                    f"costs; lean: the F-to-W cap at the F-to-I cap, /bytes: in bytes; "
                     f"{len(self.candidates)} candidates)")
         if self.why_one_chunk() is not None:
             rows.append(f"  {self.why_one_chunk()}")
@@ -144,6 +147,12 @@ def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]
         sums["input"].append(prof.layers[start - 1].output_bytes if start else 0)
         start += n
     return sums
+
+
+def stage_sizes(sums) -> list[tuple[float, float]]:
+    """Per stage, what one microbatch holds from F to I and from I to W
+    (``build(sizes=)``), from ``_stage_sums``."""
+    return list(zip(sums["act"], sums["weight"]))
 
 
 def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: float):
@@ -208,7 +217,8 @@ def balance_for(prof: Profile, schedule: Schedule, speeds: Sequence[float] | Non
 
 
 def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
-            latency: float = 0.0, lean: bool = False) -> tuple[Schedule, Simulation]:
+            latency: float = 0.0, lean: bool = False,
+            sizes: Sequence[tuple[float, float]] | None = None) -> tuple[Schedule, Simulation]:
     """The order to run for these costs, and its simulation: for a zero-bubble
     schedule, the list scheduler's order for ``cost`` (``build(costs=)``)
     where it simulates faster than ``schedule`` with no rank holding more
@@ -226,20 +236,30 @@ def ordered(schedule: Schedule, cost, speeds: Sequence[float] | None = None,
         latency: seconds a message takes.
         lean: ``schedule`` is a lean one (``build(lean=True)``): so is its
             order by cost.
+        sizes: with ``lean``, each stage's bytes from F to I and from I to
+            W (``stage_sizes``), by which ``schedule`` was built
+            (``build(sizes=)``): the order by cost caps bytes alike and its
+            busiest rank must hold no more of them (``_greedy.peak_bytes``),
+            where without sizes no rank may hold more microbatches waiting
+            for W.
     """
     speeds = [1.0] * schedule.ranks if speeds is None else list(speeds)
     sim = schedule.simulate(cost, rank_speed=speeds, latency=latency)
     if not orders_by_cost(schedule.name):
         return schedule, sim
     owner = schedule.stage_to_rank
+    sizes = sizes if lean else None
     by_cost = build(schedule.name, schedule.ranks, schedule.microbatches,
                     schedule.stages // schedule.ranks,
-                    costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency, lean=lean)
+                    costs=lambda a: cost(a) / speeds[owner[a.stage]], latency=latency, lean=lean,
+                    sizes=sizes)
     other = by_cost.simulate(cost, rank_speed=speeds, latency=latency)
     # Never more in flight than the built-in order (the policy may run a
     # forward past its cap rather than stall).
     leaner = all(a <= b for a, b in zip(other.peak_inflight, sim.peak_inflight))
-    if lean:  # and no more waiting for W than the lean order given
+    if sizes is not None:  # and its busiest rank holds no more bytes than the lean order's
+        leaner = leaner and max(peak_bytes(by_cost, sizes)) <= max(peak_bytes(schedule, sizes))
+    elif lean:  # and no more waiting for W than the lean order given
         leaner = leaner and all(a <= b for a, b in zip(other.peak_held, sim.peak_held))
     return (by_cost, other) if other.makespan < sim.makespan and leaner else (schedule, sim)
 
@@ -432,6 +452,13 @@ def plan(
                                       transfer_cost, param_scale)
                     if max(lean.memory) < max(fast.memory):
                         found.append(lean)
+                    if mode == "never":  # (a checkpointed microbatch holds its input until I)
+                        # Its cap in bytes, where that walks less still: a
+                        # stage whose W reads much (a head's) runs it sooner.
+                        sized = _candidate(scaled, lean_sched, balance, mode, True, speeds,
+                                           latency, transfer_cost, param_scale, sized=True)
+                        if max(sized.memory) < min(max(c.memory) for c in found):
+                            found.append(sized)
                 if limit is not None and not any(c.fits(limit) for c in found):
                     # The fastest split does not fit: the nearest one that does.
                     smallest = min(found, key=lambda c: max(c.memory))
@@ -452,16 +479,22 @@ def plan(
 
 
 def _candidate(prof: Profile, sched: Schedule, balance: Sequence[int], mode: str, lean: bool,
-               speeds, latency: float, transfer_cost: float, param_scale: float) -> Candidate:
+               speeds, latency: float, transfer_cost: float, param_scale: float,
+               sized: bool = False) -> Candidate:
     """``sched`` (built, or built lean) over ``balance``: its order for the
-    stage costs, simulated, and its memory walk."""
+    stage costs, simulated, and its memory walk. ``sized``: the lean order
+    whose cap counts the stages' bytes over ``balance`` (``build(sizes=)``)."""
     sums = _stage_sums(prof, balance)
     cost = _cost_fn(sums, mode, sched.microbatches, sched, transfer_cost)
-    chosen, sim = ordered(sched, cost, speeds, latency, lean=lean)
+    sizes = stage_sizes(sums) if sized else None
+    if sized:
+        sched = build(sched.name, sched.ranks, sched.microbatches, sched.stages // sched.ranks,
+                      lean=True, sizes=sizes)
+    chosen, sim = ordered(sched, cost, speeds, latency, lean=lean, sizes=sizes)
     memory = tuple(rank_memory(chosen, sums, mode, param_scale))
     order = chosen if lean or chosen is not sched else None
     return Candidate(sched.name, sched.microbatches, sched.stages // sched.ranks, tuple(balance),
-                     mode, sim.makespan, sim.bubble_ratio, memory, order, lean=lean)
+                     mode, sim.makespan, sim.bubble_ratio, memory, order, lean=lean, sized=sized)
 
 
 def _refit(prof: Profile, sched: Schedule, start: Candidate, limit: int, speeds, latency: float,
@@ -478,7 +511,8 @@ def _refit(prof: Profile, sched: Schedule, start: Candidate, limit: int, speeds,
         c = seen.get(tuple(balance))
         if c is None:
             c = seen[tuple(balance)] = _candidate(prof, sched, balance, start.checkpoint, start.lean,
-                                                  speeds, latency, transfer_cost, param_scale)
+                                                  speeds, latency, transfer_cost, param_scale,
+                                                  start.sized)
         return max(0, max(c.memory) - limit), c.step_seconds
 
     best = improve(list(start.balance), score)  # every split it returns was scored

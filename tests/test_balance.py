@@ -214,12 +214,12 @@ def test_a_plan_names_its_choices_and_says_why_it_does_not_pipeline():
     assert "fits" in Plan(one, [one, four], memory_limit=50).why_one_chunk()
 
 
-def _step_on_plan(model, made, x, y):
-    """One mse step of ``model`` on two local ranks as ``made`` (a Plan)
-    says: the loss and ``memory_stats()``."""
+def _step_on_plan(model, made, x, y, loss_fn=nn.functional.mse_loss):
+    """One step of ``model`` on two local ranks as ``made`` (a Plan) says:
+    the loss and ``memory_stats()``."""
     pipe = Pipe(model, plan=made, devices=["cpu", "cpu"])
     try:
-        return pipe.step(x, y, nn.functional.mse_loss), pipe.memory_stats()
+        return pipe.step(x, y, loss_fn), pipe.memory_stats()
     finally:
         pipe.close()
 
@@ -287,6 +287,35 @@ def test_memory_after_input_backward_is_what_weight_backward_reads(monkeypatch, 
     rows, width = 4, 8  # a microbatch's rows; float64
     w_reads = rows * width * (8 + 64) + rows * width * (64 + 8)  # inputs and output gradients
     assert peaks["F0 I0 F1 I1 W0 W1"] - peaks["F0 I0 W0 F1 I1 W1"] == w_reads, peaks
+
+
+def test_a_lean_candidate_counts_what_each_stage_holds_in_bytes():
+    """A GPT whose head's W reads five times what its stage saved (the
+    logits' gradient): beside the lean zbv that counts microbatches, the
+    planner weighs the one whose cap counts each stage's bytes, which walks
+    less here and still simulates faster than 1F1B; under a limit between
+    the two it is the plan, and the executor books what it walked."""
+    from fastpipe._plan import _stage_sums
+    from tests.models import gpt, gpt_batch, lm_loss
+
+    model = gpt(vocab=1024, d=16, heads=2, blocks=6, seq=16, dtype=torch.float32)
+    ids, tg = gpt_batch(64, 1024, 16)
+    prof = _set_times(profile(model, ids, "cpu", 8))
+    found = plan(model, ids, 2, schedules=["zbv", "1f1b"], chunks=[8], checkpoints=["never"], prof=prof)
+    counted, sized = [next(c for c in found.candidates if c.schedule == "zbv" and c.lean and c.sized is flag)
+                      for flag in (False, True)]
+    sums = _stage_sums(prof.scaled(8), sized.balance)
+    assert sums["weight"][-1] > 4 * sums["act"][-1]
+    assert max(sized.memory) < max(counted.memory)
+    assert sized.step_seconds < next(c for c in found.candidates if c.schedule == "1f1b").step_seconds
+    limit = (max(sized.memory) + max(counted.memory)) // 2
+    tight = plan(model, ids, 2, memory_limit=limit, schedules=["zbv"], chunks=[8],
+                 checkpoints=["never"], prof=found.profile)
+    assert tight.best.sized and "zbv lean/bytes" in tight.explain()
+    _, stats = _step_on_plan(model, tight, ids, tg, lm_loss)
+    for rank, st in stats.items():
+        assert st["peak"] <= limit, (rank, st, limit)
+        assert st["peak"] == pytest.approx(tight.best.memory[rank], rel=0.05), (rank, st)
 
 
 def test_a_memory_limit_can_choose_a_lean_zero_bubble_order():

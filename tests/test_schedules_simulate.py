@@ -212,6 +212,64 @@ def test_lean_orders_hold_no_more_for_w_than_their_f_to_i_cap(name: str) -> None
             assert build(name, p, m).simulate(SPLIT_UNIT).makespan <= lean.simulate(SPLIT_UNIT).makespan
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zbv"])
+def test_lean_orders_by_bytes_are_the_count_orders_when_every_stage_weighs_alike(name: str) -> None:
+    for p, m in SIZES:
+        stages = p * (2 if name == "zbv" else 1)
+        for costs in (None, CHEAP_W):
+            counted = build(name, p, m, costs=costs, lean=True)
+            for size in ((1, 1), (3e6, 3e6)):
+                assert build(name, p, m, costs=costs, lean=True, sizes=[size] * stages).actions \
+                    == counted.actions, (p, m, costs, size)
+
+
+def _lean_budget(schedule, sizes) -> list[float]:
+    """Per rank, its F-to-I cap's activations: the cap times its stages' mean F-to-I bytes."""
+    caps = {"zb-h1": lambda p, r: p - r, "zb-h2": lambda p, r: 2 * (p - r) - 1,
+            "zbv": lambda p, r: 2 * p}[schedule.name]
+    return [caps(schedule.ranks, r) * sum(sizes[s][0] for s in schedule.stages_of(r))
+            / len(schedule.stages_of(r)) for r in range(schedule.ranks)]
+
+
+def test_a_lean_zbv_by_bytes_runs_a_heavy_w_sooner_and_a_light_one_later() -> None:
+    """A V whose last stage's W reads three times its activations (a
+    vocabulary head's logits gradient) and whose other stages' W reads a
+    third: counted in bytes, no rank holds more than its cap's activations
+    but what one I adds past them (its W then runs next), never more than
+    the order counted in microbatches holds, less on the head's rank once
+    the V is deep enough; and the light W waits longer than the count lets it."""
+    from fastpipe.schedules._greedy import peak_bytes
+
+    for p, m in ((2, 8), (3, 12), (4, 16)):
+        sizes = [(1.0, 1 / 3)] * (2 * p - 1) + [(1.0, 3.0)]
+        counted = build("zbv", p, m, lean=True)
+        by_bytes = build("zbv", p, m, lean=True, sizes=sizes)
+        by_bytes.validate()
+        budget = _lean_budget(by_bytes, sizes)
+        over = max(b - a for a, b in sizes)  # one I past the budget before its W
+        peaks, counted_peaks = peak_bytes(by_bytes, sizes), peak_bytes(counted, sizes)
+        for rank in range(p):
+            assert peaks[rank] <= budget[rank] + over, (p, rank, peaks, budget)
+            assert peaks[rank] <= counted_peaks[rank], (p, rank, peaks, counted_peaks)
+        if p > 2:
+            assert peaks[0] < counted_peaks[0], (p, peaks, counted_peaks)  # rank 0 holds the head
+        held = by_bytes.simulate(SPLIT_UNIT).peak_held
+        assert max(held) > max(counted.simulate(SPLIT_UNIT).peak_held), (p, held)
+
+
+def test_sizes_are_checked_by_name() -> None:
+    with pytest.raises(ValueError, match="sizes apply to lean orders only: pass lean=True"):
+        build("zbv", 2, 4, sizes=[(1, 1)] * 4)
+    with pytest.raises(ValueError, match=r"one pair per stage \(4\), got 3"):
+        build("zbv", 2, 4, lean=True, sizes=[(1, 1)] * 3)
+    with pytest.raises(ValueError, match=r"finite byte counts >= 0, got \(1.0, -1.0\)"):
+        build("zbv", 2, 4, lean=True, sizes=[(1, 1)] * 3 + [(1, -1)])
+    with pytest.raises(ValueError, match="one \\(F-to-I bytes, I-to-W bytes\\) pair per stage"):
+        build("zb-h1", 2, 4, lean=True, sizes=[1, 2])
+    with pytest.raises(ValueError, match="'1f1b' has a fixed order"):
+        build("1f1b", 2, 4, lean=True, sizes=[(1, 1)] * 2)
+
+
 def test_lean_is_for_the_zero_bubble_schedules_and_a_bool() -> None:
     with pytest.raises(ValueError, match="'1f1b' has a fixed order; costs, latency and lean"):
         build("1f1b", 2, 4, lean=True)

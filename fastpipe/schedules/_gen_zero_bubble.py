@@ -13,10 +13,16 @@ W then counts as a whole one, so a rank holds no more microbatches, in any
 state, than its F-to-I cap (1F1B's count for ZB-H1 and ZB-V; unless the cap
 gives way rather than stall every rank, as ``_greedy`` says), even where
 W's inputs and gradients weigh as much as the activations (a vocabulary
-head's); the price is some of the bubble the extra W slots filled.
+head's); the price is some of the bubble the extra W slots filled. With
+``sizes`` (per stage, the bytes a microbatch holds from F to I and from I
+to W) a lean order counts bytes instead: no rank holds more than its F-to-I
+cap's activations, so stages whose W reads little keep more W work to fill
+the bubble and a heavy one (the head) runs its W sooner.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from fastpipe.schedules._costs import Costs
 from fastpipe.schedules._greedy import list_schedule
@@ -25,9 +31,11 @@ from fastpipe.schedules._placement import loop_placement, v_placement
 
 __all__ = ["zb_h1", "zb_h2", "zbv"]
 
+Sizes = Sequence[tuple[float, float]]  # per stage: bytes from F to I, from I to W
+
 
 def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
-          latency: float = 0.0, lean: bool = False) -> Schedule:
+          latency: float = 0.0, lean: bool = False, sizes: Sizes | None = None) -> Schedule:
     """ZB-H1: 1F1B's in-flight count, W filling the drain; a third of 1F1B's bubble.
 
     Caps: ``p - r`` microbatches between F and I on rank ``r`` (1F1B's
@@ -50,17 +58,19 @@ def zb_h1(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs 
         costs, latency: what the list scheduler orders by (``build``); the
             figures above are for unit costs.
         lean: the F-to-W cap equal to the F-to-I cap (module docstring).
+        sizes: with ``lean``, that cap in bytes (module docstring).
 
     Returns:
         The schedule.
     """
     caps = [ranks - r for r in range(ranks)]
     holds = caps if lean else [ranks + (ranks + 1) // 2] * ranks
-    return list_schedule("zb-h1", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency)
+    return list_schedule("zb-h1", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency,
+                         sizes if lean else None)
 
 
 def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs | None = None,
-          latency: float = 0.0, lean: bool = False) -> Schedule:
+          latency: float = 0.0, lean: bool = False, sizes: Sizes | None = None) -> Schedule:
     """ZB-H2: more warm-up forwards so that no rank ever waits once it has started.
 
     Caps: ``2 (p - r) - 1`` between F and I on rank ``r`` (rank 0 holds
@@ -83,17 +93,19 @@ def zb_h2(ranks: int, microbatches: int, stages_per_rank: int = 1, costs: Costs 
         costs, latency: what the list scheduler orders by (``build``); the
             figures above are for unit costs.
         lean: the F-to-W cap equal to the F-to-I cap (module docstring).
+        sizes: with ``lean``, that cap in bytes (module docstring).
 
     Returns:
         The schedule.
     """
     caps = [2 * (ranks - r) - 1 for r in range(ranks)]
     holds = caps if lean else [2 * ranks - 1] * ranks
-    return list_schedule("zb-h2", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency)
+    return list_schedule("zb-h2", microbatches, loop_placement(ranks, 1), caps, holds, costs, latency,
+                         sizes if lean else None)
 
 
 def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2, costs: Costs | None = None,
-        latency: float = 0.0, lean: bool = False) -> Schedule:
+        latency: float = 0.0, lean: bool = False, sizes: Sizes | None = None) -> Schedule:
     """ZB-V: V placement and I/W split, 1F1B's in-flight count, zero bubble.
 
     Rank ``r`` holds stages ``r`` and ``2 p - 1 - r``, each half of a 1F1B
@@ -116,10 +128,12 @@ def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2, costs: Costs | 
         costs, latency: what the list scheduler orders by (``build``); the
             figures above are for unit costs.
         lean: the F-to-W cap equal to the F-to-I cap (module docstring).
+        sizes: with ``lean``, that cap in bytes (module docstring).
 
     Returns:
         The schedule.
     """
     caps = [2 * ranks] * ranks
     holds = caps if lean else [2 * ranks + 3 + r for r in range(ranks)]
-    return list_schedule("zbv", microbatches, v_placement(ranks), caps, holds, costs, latency)
+    return list_schedule("zbv", microbatches, v_placement(ranks), caps, holds, costs, latency,
+                         sizes if lean else None)

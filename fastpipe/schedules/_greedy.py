@@ -9,6 +9,16 @@ Whenever a rank is free it picks its next action by a fixed policy:
 3. else the oldest W still owed (weight gradients fill what would be idle);
 4. else wait.
 
+Given ``sizes`` (per stage, the bytes a microbatch holds from F to I and
+from I to W), the hold cap is in bytes instead: a rank holds no more than
+``cap`` times the mean of its stages' F-to-I bytes, the activations of its
+F-to-I cap, whichever state its microbatches are in. An F runs only where it
+fits; a ready I that would overfill it (what W reads outweighs what the
+forward saved, as a vocabulary head's logits gradient) lets the oldest owed
+W run first. A W that holds little then lets more microbatches wait for
+their W than the count allows, and a heavy one fewer; with every size equal
+it is the count cap ``hold_cap = cap``.
+
 Microbatches go through each stage in order. Time is modelled as the
 simulator models it: an action takes its cost (F = I = W = 1 unless costs are
 given) and a value crossing ranks arrives ``latency`` after it was made. With
@@ -37,7 +47,7 @@ from dataclasses import dataclass, field
 from fastpipe.schedules._costs import Costs, compute_cost
 from fastpipe.schedules._ir import Action, Kind, Schedule
 
-__all__ = ["list_schedule"]
+__all__ = ["list_schedule", "peak_bytes"]
 
 
 @dataclass
@@ -47,8 +57,10 @@ class _Rank:
     stages: list[int]
     cap: int
     hold_cap: int
+    budget: float = float("inf")  # the hold cap in bytes, where ``sizes`` are given
     live: int = 0  # between F and I
     held: int = 0  # between F and W
+    nbytes: float = 0.0  # held, by ``sizes``
     owed: deque[Action] = field(default_factory=deque)
     row: list[Action] = field(default_factory=list)
     free: float = 0.0  # when its last action ends
@@ -62,6 +74,7 @@ def list_schedule(
     hold_caps: Sequence[int],
     costs: Costs | None = None,
     latency: float = 0.0,
+    sizes: Sequence[tuple[float, float]] | None = None,
 ) -> Schedule:
     """Build a schedule with every backward split into I and W, by the policy above.
 
@@ -75,6 +88,9 @@ def list_schedule(
             (:func:`fastpipe.schedules._costs.compute_cost`); ``None`` is
             F = I = W = 1.
         latency: Time from an action's end to its value's arrival on another rank.
+        sizes: Per stage, (bytes from F to I, bytes from I to W) of one
+            microbatch: the hold cap in bytes (module docstring), in place
+            of ``hold_caps``.
 
     Returns:
         The schedule.
@@ -88,6 +104,9 @@ def list_schedule(
         _Rank([s for s in range(stages) if stage_to_rank[s] == r], cap, hold)
         for r, (cap, hold) in enumerate(zip(caps, hold_caps))
     ]
+    if sizes is not None:  # the hold cap in bytes: the F-to-I cap's activations
+        for rank in ranks:
+            rank.budget = rank.cap * sum(sizes[s][0] for s in rank.stages) / len(rank.stages)
     clock = _Clock(stage_to_rank, latency)
     nxt = {(kind, s): 0 for kind in (Kind.F, Kind.I) for s in range(stages)}
     left = 3 * stages * microbatches
@@ -98,8 +117,9 @@ def list_schedule(
         while busy:
             busy = False
             for rank in ranks:
-                if rank.free <= t and (action := _pick(rank, t, stages, microbatches, clock, nxt, capped)):
-                    _commit(rank, action, nxt)
+                if rank.free <= t and (action := _pick(rank, t, stages, microbatches, clock, nxt,
+                                                       capped, sizes)):
+                    _commit(rank, action, nxt, sizes)
                     rank.free = t + cost(action)
                     clock.ended(action, rank.free)
                     left -= 1
@@ -159,9 +179,11 @@ def _pick(
     clock: _Clock,
     nxt: dict[tuple[Kind, int], int],
     capped: bool = True,
+    sizes: Sequence[tuple[float, float]] | None = None,
 ) -> Action | None:
-    """The policy: ready I, else ready F under the caps (or past them where
-    ``capped`` is false), else owed W, else None."""
+    """The policy: ready I (an owed W first where the I would overfill the
+    byte cap), else ready F under the caps (or past them where ``capped`` is
+    false), else owed W, else None."""
     inputs = [
         Action(s, Kind.I, j)
         for s in rank.stages
@@ -170,12 +192,17 @@ def _pick(
         and (s == stages - 1 or clock.ready(Kind.I, s + 1, j, s, t))
     ]
     if inputs:
-        return min(inputs, key=_earliest)
-    if not capped or (rank.live < rank.cap and rank.held < rank.hold_cap):
+        first = min(inputs, key=_earliest)
+        if (sizes is not None and rank.owed
+                and rank.nbytes - sizes[first.stage][0] + sizes[first.stage][1] > rank.budget):
+            return rank.owed[0]
+        return first
+    if not capped or (rank.live < rank.cap and (sizes is not None or rank.held < rank.hold_cap)):
         forwards = [
             Action(s, Kind.F, j)
             for s in rank.stages
             if (j := nxt[(Kind.F, s)]) < m and (s == 0 or clock.ready(Kind.F, s - 1, j, s, t))
+            and (not capped or sizes is None or rank.nbytes + sizes[s][0] <= rank.budget)
         ]
         if forwards:
             return min(forwards, key=_earliest)
@@ -188,16 +215,36 @@ def _earliest(action: Action) -> tuple[int, int]:
     return action.microbatch, -action.stage
 
 
-def _commit(rank: _Rank, action: Action, nxt: dict[tuple[Kind, int], int]) -> None:
+def _commit(rank: _Rank, action: Action, nxt: dict[tuple[Kind, int], int],
+            sizes: Sequence[tuple[float, float]] | None = None) -> None:
     rank.row.append(action)
+    before, after = sizes[action.stage] if sizes is not None else (0.0, 0.0)
     if action.kind is Kind.F:
         nxt[(Kind.F, action.stage)] += 1
         rank.live += 1
         rank.held += 1
+        rank.nbytes += before
     elif action.kind is Kind.I:
         nxt[(Kind.I, action.stage)] += 1
         rank.live -= 1
+        rank.nbytes += after - before
         rank.owed.append(Action(action.stage, Kind.W, action.microbatch))
     else:
         rank.owed.popleft()
         rank.held -= 1
+        rank.nbytes -= after
+
+
+def peak_bytes(schedule: Schedule, sizes: Sequence[tuple[float, float]]) -> list[float]:
+    """Per rank, the most bytes its list holds at once by the scheduler's
+    model of ``sizes`` (an F adds its stage's F-to-I bytes, an I trades them
+    for its I-to-W bytes, a W frees those), whatever the timing."""
+    peaks = []
+    for row in schedule.actions:
+        held = peak = 0.0
+        for a in row:
+            before, after = sizes[a.stage]
+            held += before if a.kind is Kind.F else after - before if a.kind is Kind.I else -after
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks

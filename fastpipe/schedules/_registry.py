@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fastpipe.schedules._costs import Costs
@@ -56,7 +56,8 @@ def orders_by_cost(name: str) -> bool:
 
 
 def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
-          costs: Costs | None = None, latency: float = 0.0, lean: bool = False) -> Schedule:
+          costs: Costs | None = None, latency: float = 0.0, lean: bool = False,
+          sizes: Sequence[tuple[float, float]] | None = None) -> Schedule:
     """Generate the schedule ``name`` for ``ranks`` ranks and ``microbatches`` microbatches.
 
     Args:
@@ -83,6 +84,13 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
             the two under a ``memory_limit``). As every cap of the list
             scheduler, it gives way where keeping it would stall every rank
             (``fastpipe.schedules._greedy``; seen with latency or costs).
+        sizes: with ``lean``: per stage, the bytes one microbatch holds from
+            F to I (its saved activations) and from I to W (what W reads),
+            e.g. a profile's. The lean cap then counts bytes: no rank holds
+            more than its F-to-I cap's activations, whichever state its
+            microbatches are in, so W that reads little may wait longer and
+            a heavy one (a vocabulary head's) runs sooner. Every size equal
+            gives the count-capped lean order.
 
     Returns:
         The compute-only schedule; stage ``s`` of an interleaved or looped
@@ -113,6 +121,8 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
         )
     if not isinstance(lean, bool):
         raise ValueError(f"lean must be a bool, got {lean!r} (schedule {name!r})")
+    if sizes is not None:
+        sizes = _check_sizes(sizes, lean, v * ranks, name)
     if costs is None and latency == 0.0 and not lean:
         return entry.generator(ranks, microbatches, v)
     if not entry.by_cost:
@@ -121,7 +131,27 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None 
                          f"only to {ordered}")
     if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not latency >= 0:
         raise ValueError(f"latency must be a number >= 0, got {latency!r}")
-    return entry.generator(ranks, microbatches, v, costs=costs, latency=float(latency), lean=lean)
+    extra = {} if sizes is None else {"sizes": sizes}
+    return entry.generator(ranks, microbatches, v, costs=costs, latency=float(latency), lean=lean,
+                           **extra)
+
+
+def _check_sizes(sizes, lean: bool, stages: int, name: str) -> list[tuple[float, float]]:
+    """``sizes`` as a list of (F-to-I, I-to-W) byte pairs, one per stage."""
+    if not lean:
+        raise ValueError(f"sizes apply to lean orders only: pass lean=True (schedule {name!r})")
+    try:
+        pairs = [(float(a), float(b)) for a, b in sizes]
+    except (TypeError, ValueError):
+        raise ValueError(f"sizes must hold one (F-to-I bytes, I-to-W bytes) pair per stage, "
+                         f"got {sizes!r} (schedule {name!r})") from None
+    if len(pairs) != stages:
+        raise ValueError(f"sizes must hold one pair per stage ({stages}), got {len(pairs)} "
+                         f"(schedule {name!r})")
+    bad = [pair for pair in pairs if not all(0 <= x < float("inf") for x in pair)]
+    if bad:
+        raise ValueError(f"sizes must be finite byte counts >= 0, got {bad[0]!r} (schedule {name!r})")
+    return pairs
 
 
 def _is_int(value: object) -> bool:
