@@ -25,7 +25,9 @@ Sections:
              microbatch) and launch-bound: each schedule's step time against
              the same microbatches run sequentially (checked: <= 1.0 and
              <= 1.05), peak memory (checked: zbv <= 1.1 x 1f1b; zbv lean,
-             build(lean=True), reported beside), gradients
+             build(lean=True), and zbv lean/bytes, the lean cap in bytes
+             as fastpipe.plan orders and splits it from a profile on the
+             device, reported beside), gradients
              of 1f1b and zbv against the sequential model's, and (I+W)/B of
              two blocks (checked: <= 1.05).
   local      a 2-rank local pipeline with both ranks on cuda:0 against the
@@ -645,10 +647,23 @@ GPT_SHAPES = {
     "gpu-bound": (dict(vocab=32000, d=768, heads=12, blocks=10, seq=1024), 16, 8),
     "launch-bound": (dict(vocab=8192, d=256, heads=4, blocks=10, seq=256), 16, 8),
 }
-GPT_SHAPES_SMALL = {"gpu-bound": (dict(vocab=64, d=32, heads=2, blocks=2, seq=16), 8, 4)}
+GPT_SHAPES_SMALL = {"gpu-bound": (dict(vocab=1024, d=32, heads=2, blocks=4, seq=16), 8, 4)}
 GPT_TARGET = {"gpu-bound": 1.0, "launch-bound": 1.05}
-# "zbv lean": build("zbv", lean=True), no microbatch waiting for its W past the in-flight count.
-GPT_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "zbv lean", "dualpipev"]
+# "zbv lean": build("zbv", lean=True), no microbatch waiting for its W past the in-flight count;
+# "zbv lean/bytes": that cap in bytes, the order and split fastpipe.plan gives it from a
+# profile on the device (Candidate.sized), where its walk is below the others'.
+GPT_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "zbv lean", "zbv lean/bytes", "dualpipev"]
+
+
+def _sized_lean(model, ids, chunks: int, amp):
+    """``fastpipe.plan``'s zbv candidate whose lean cap counts bytes, profiled
+    on the device under ``amp``; None where the planner made none."""
+    from fastpipe import plan
+
+    with amp:
+        found = plan(model, ids, 2, schedules=["zbv"], chunks=[chunks], checkpoints=["never"],
+                     device=DEV)
+    return next((c for c in found.candidates if c.sized), None)
 
 
 def section_gpt() -> None:
@@ -676,21 +691,28 @@ def section_gpt() -> None:
 
         peak = {}
         for schedule in GPT_SCHEDULES:
-            name, lean = schedule.split()[0], schedule.endswith(" lean")
+            name, lean = schedule.split()[0], schedule.endswith((" lean", " lean/bytes"))
             spr = 2 if name in ("zbv", "dualpipev") else None
             model = gpt(dtype=torch.float32, **sizes).to(DEV)
             # Split by measured time, which also orders a zero-bubble schedule
             # for the measured F, I and W where that simulates faster (a
             # lean one keeps its unit-cost order: it is given as a list).
-            runs = build(name, 2, chunks, spr, lean=True) if lean else name
+            runs, split = (build(name, 2, chunks, spr, lean=True) if lean else name), "auto"
+            if schedule.endswith("/bytes"):
+                sized = _sized_lean(model, ids, chunks, amp)
+                if sized is None:
+                    figure(f"gpt {label} {schedule}: not a candidate", 0.0, "",
+                           "its walk is not below the count-capped lean order's")
+                    continue
+                runs, split = sized.order, list(sized.balance)
             pipe = Pipe(model, chunks=chunks, schedule=runs, devices=devices, stages_per_rank=spr,
-                        balance="auto")
+                        balance=split)
 
             def step():
                 with amp:
                     pipe.step(ids, tg, lm_loss)
 
-            if schedule in ("1f1b", "zbv", "zbv lean"):  # the same gradients, to bf16 rounding
+            if schedule in ("1f1b", "zbv", "zbv lean", "zbv lean/bytes"):  # the same gradients, to bf16 rounding
                 for p in seq_model.parameters():
                     p.grad = None
                 sequential()
@@ -703,9 +725,10 @@ def section_gpt() -> None:
                                         sync=_sync, per_round=2)
             ratio = times["pipe"] / times["seq"]
             reordered = pipe.schedule.actions != build(name, 2, chunks, spr, lean=lean).actions
+            how = "; fastpipe.plan's order and split" if split != "auto" else \
+                "; ordered by the measured costs" if reordered else ""
             figure(f"gpt {label} {schedule}: pipeline / sequential step time", ratio, "",
-                   f"sequential {times['seq'] * 1e3:.1f} ms; balance {pipe.balance}"
-                   + ("; ordered by the measured costs" if reordered else ""))
+                   f"sequential {times['seq'] * 1e3:.1f} ms; balance {pipe.balance}{how}")
             if DEV == "cuda":
                 check(f"gpt {label} {schedule}: step time <= {GPT_TARGET[label]} x sequential",
                       ratio <= GPT_TARGET[label], f"{ratio:.3f}")
@@ -722,7 +745,9 @@ def section_gpt() -> None:
         if peak:
             check(f"gpt {label}: zbv peak memory <= 1.1 x 1f1b's", peak["zbv"] <= 1.1 * peak["1f1b"],
                   f"{peak['zbv'] / peak['1f1b']:.2f}")
-            figure(f"gpt {label}: zbv lean peak memory / 1f1b's", peak["zbv lean"] / peak["1f1b"])
+            for variant in ("zbv lean", "zbv lean/bytes"):
+                if variant in peak:
+                    figure(f"gpt {label}: {variant} peak memory / 1f1b's", peak[variant] / peak["1f1b"])
         del seq_model
         d, heads = sizes["d"], sizes["heads"]
         b, i, w = measure(lambda: nn.Sequential(Block(d, heads), Block(d, heads)),

@@ -82,7 +82,7 @@ timeout -k 5 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_host_ring.p
 echo "  (ring tests done at $(( $(date +%s) - t_start )) s)"
 
 # Seconds each section may take before it dumps its stacks and ends.
-declare -A LIMIT=([ring]=30 [gpt]=140 [local]=140 [grads]=45 [pack]=45 [kernels]=60 [recompute]=30
+declare -A LIMIT=([ring]=30 [gpt]=160 [local]=140 [grads]=45 [pack]=45 [kernels]=60 [recompute]=30
               [rebuild]=60 [soak]=90)
 for section in $SECTIONS; do
     limit=${LIMIT[$section]:-60}
