@@ -312,10 +312,15 @@ def test_a_lean_candidate_counts_what_each_stage_holds_in_bytes():
     tight = plan(model, ids, 2, memory_limit=limit, schedules=["zbv"], chunks=[8],
                  checkpoints=["never"], prof=found.profile)
     assert tight.best.sized and "zbv lean/bytes" in tight.explain()
-    _, stats = _step_on_plan(model, tight, ids, tg, lm_loss)
+    want_loss, want = reference(model, ids, tg, lm_loss, 8)
+    model.zero_grad(set_to_none=True)
+    loss, stats = _step_on_plan(model, tight, ids, tg, lm_loss)
     for rank, st in stats.items():
         assert st["peak"] <= limit, (rank, st, limit)
         assert st["peak"] == pytest.approx(tight.best.memory[rank], rel=0.05), (rank, st)
+    torch.testing.assert_close(loss, want_loss)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
 
 
 def test_a_memory_limit_can_choose_a_lean_zero_bubble_order():

@@ -257,6 +257,21 @@ def test_a_lean_zbv_by_bytes_runs_a_heavy_w_sooner_and_a_light_one_later() -> No
         assert max(held) > max(counted.simulate(SPLIT_UNIT).peak_held), (p, held)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["zb-h1", "zb-h2", "zbv"]), st.integers(1, 5), st.integers(1, 12),
+       st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), min_size=10, max_size=10),
+       st.booleans())
+def test_any_sizes_give_a_valid_lean_order(name, p, m, pairs, by_cost) -> None:
+    """Whatever the bytes (zeros, a W far heavier or lighter than its
+    forward), the byte-capped list is a valid schedule with every action:
+    where the cap would stall every rank it gives way, as the count caps do."""
+    stages = p * (2 if name == "zbv" else 1)
+    sizes = pairs[:stages] + [(1, 1)] * (stages - len(pairs))
+    sched = build(name, p, m, costs=CHEAP_W if by_cost else None, lean=True, sizes=sizes)
+    sched.validate()
+    assert sum(map(len, sched.actions)) == 3 * stages * m
+
+
 def test_sizes_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match="sizes apply to lean orders only: pass lean=True"):
         build("zbv", 2, 4, sizes=[(1, 1)] * 4)
