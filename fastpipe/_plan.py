@@ -290,12 +290,14 @@ def order_measured(schedule: Schedule, seconds: dict[tuple[int, str], float],
     keeps ``schedule``.
 
     ``sizes``: the bytes a microbatch of each stage held from F to I and
-    from I to W in that step (``RankExecutor.stage_bytes``). Where the lean
-    order capped by them (``build(lean=True, sizes=)``, for the same costs)
-    simulates within 1 % of the order chosen above and its busiest rank
-    holds fewer bytes (``_greedy.peak_bytes``), it is taken instead: as fast,
-    and what W reads (a vocabulary head's logits gradient) does not pile up
-    on a V's first rank.
+    from I to W in that step (``RankExecutor.stage_bytes``). Of the lean
+    orders for the same costs, capped in microbatches and in bytes
+    (``build(lean=True)``, ``build(lean=True, sizes=)``), the one whose
+    busiest rank holds fewest bytes by them (``_greedy.peak_bytes``) among
+    those that simulate within 1 % of the order chosen above is taken
+    instead, where it holds fewer than that order: as fast, and what W
+    reads (a vocabulary head's logits gradient) does not pile up on a V's
+    first rank.
 
     Why from a step and not from a profile: the built-in orders assume
     F = I = W, a profile times one layer at a time, and what an action
@@ -322,14 +324,22 @@ def order_measured(schedule: Schedule, seconds: dict[tuple[int, str], float],
         chosen, sim = None, now
     if sizes is None or not any(b for pair in sizes for b in pair):
         return chosen
+    # The lean orders, counted in microbatches and in bytes, for these costs:
+    # the one whose busiest rank holds least among those within 1 % of the
+    # choice above, where it holds less than that choice.
     spr = schedule.stages // schedule.ranks
-    lean = build(schedule.name, schedule.ranks, schedule.microbatches, spr, costs=cost,
-                 lean=True, sizes=sizes)
-    other = lean.simulate(cost)
-    keeps = chosen if chosen is not None else schedule
-    fewer = max(peak_bytes(lean, sizes)) < max(peak_bytes(keeps, sizes))
-    inflight = all(a <= b for a, b in zip(other.peak_inflight, now.peak_inflight))
-    return lean if fewer and inflight and other.makespan <= 1.01 * sim.makespan else chosen
+    counted = build(schedule.name, schedule.ranks, schedule.microbatches, spr, lean=True)
+    leans = [ordered(counted, cost, lean=True)[0],
+             build(schedule.name, schedule.ranks, schedule.microbatches, spr, costs=cost,
+                   lean=True, sizes=sizes)]
+    best, least = chosen, max(peak_bytes(chosen if chosen is not None else schedule, sizes))
+    for lean in leans:
+        other = lean.simulate(cost)
+        held = max(peak_bytes(lean, sizes))
+        if (held < least and other.makespan <= 1.01 * sim.makespan
+                and all(a <= b for a, b in zip(other.peak_inflight, now.peak_inflight))):
+            best, least = lean, held
+    return best
 
 
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:

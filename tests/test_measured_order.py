@@ -126,6 +126,15 @@ def test_order_measured_takes_the_byte_capped_lean_order_where_it_is_as_fast():
     assert max(peak_bytes(lean, heavy)) < max(peak_bytes(reference, heavy))
     assert lean.actions == build("zbv", 2, 8, costs=lambda a: seconds[(a.stage, a.kind.value)] / 8,
                                  lean=True, sizes=heavy).actions
+    # Where the byte cap costs speed, the lean order counted in microbatches,
+    # as fast as the built-in one at F = I = W, is taken (a block's W reads
+    # 1.25x its forward, the head's about as much: the loss's saved tensors).
+    even = _seconds(built, {"F": 1e-3, "I": 1e-3, "W": 1e-3})
+    blocks = [(96, 122), (72, 90), (72, 90), (66, 67)]
+    counted = order_measured(built, even, blocks)
+    assert order_measured(built, even) is None
+    assert counted is not None and counted.actions == build("zbv", 2, 8, lean=True).actions
+    assert max(peak_bytes(counted, blocks)) < 0.6 * max(peak_bytes(built, blocks))
     # Bytes the lean order holds no fewer of (a light W), or none measured:
     # the order by cost, as without them.
     assert by_cost is not None
