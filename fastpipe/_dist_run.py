@@ -73,7 +73,6 @@ class DistRunner:
         self._lanes = RingLanes(cfg.timeout, cfg.overlap)
         self.broken: BaseException | None = None
         self.memory: dict[int, int] = {}
-        self.stage_bytes: dict[int, list[int]] = {}  # the last step's, by stage (executor.stage_bytes)
         self.input_grads: dict[int, list[torch.Tensor]] = {}
         # The last stage's rank: the loss broadcast of the last step, still
         # in flight (Work, tensor), waited for before the next collective.
@@ -125,7 +124,6 @@ class DistRunner:
         finally:
             if train:
                 self.memory[self.rank] = executor.peak_activation_bytes
-                self.stage_bytes = executor.stage_bytes
                 self.input_grads = executor.input_grads
 
     def _loss_after_failure(self, exc: BaseException) -> None:

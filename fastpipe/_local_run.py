@@ -57,7 +57,6 @@ class LocalRunner:
         self.device_lanes = self._lanes.device_lanes  # rank -> CudaLanes, made once (until close())
         self.recv_rings: ReceiveRings | None = None
         self.memory: dict[int, int] = {}
-        self.stage_bytes: dict[int, list[int]] = {}  # the last step's, by stage (executor.stage_bytes)
         self.input_grads: dict[int, list[torch.Tensor]] = {}
 
     def run(self, schedule: Schedule, stages: dict[int, dict[int, Stage]], inputs, targets, loss_fn,
@@ -105,7 +104,6 @@ class LocalRunner:
             finally:
                 if train:
                     self.memory[rank] = executor.peak_activation_bytes
-                    self.stage_bytes.update(executor.stage_bytes)  # each rank its own stages
                     if 0 in stages[rank]:
                         self.input_grads = executor.input_grads
                 if executor.records is not None:

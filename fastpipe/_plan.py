@@ -280,24 +280,13 @@ def order_for(prof: Profile, balance: Sequence[int], schedule: Schedule, mode: s
     return None if chosen is schedule else chosen
 
 
-def order_measured(schedule: Schedule, seconds: dict[tuple[int, str], float],
-                   sizes: Sequence[tuple[float, float]] | None = None) -> Schedule | None:
+def order_measured(schedule: Schedule, seconds: dict[tuple[int, str], float]) -> Schedule | None:
     """The order a zero-bubble ``schedule`` runs in from the next step, for
     the ``seconds`` a recorded step spent in each (stage, action kind, e.g.
     ``"I"``), every rank's: ``ordered``'s choice for each kind's mean per
     action, where it simulates at least 1 % faster and no rank holds more
     microbatches in flight or waiting for their W than in ``schedule``; None
     keeps ``schedule``.
-
-    ``sizes``: the bytes a microbatch of each stage held from F to I and
-    from I to W in that step (``RankExecutor.stage_bytes``). Of the lean
-    orders for the same costs, capped in microbatches and in bytes
-    (``build(lean=True)``, ``build(lean=True, sizes=)``), the one whose
-    busiest rank holds fewest bytes by them (``_greedy.peak_bytes``) among
-    those that simulate within 1 % of the order chosen above is taken
-    instead, where it holds fewer than that order: as fast, and what W
-    reads (a vocabulary head's logits gradient) does not pile up on a V's
-    first rank.
 
     Why from a step and not from a profile: the built-in orders assume
     F = I = W, a profile times one layer at a time, and what an action
@@ -318,28 +307,11 @@ def order_measured(schedule: Schedule, seconds: dict[tuple[int, str], float],
         return mean.get((a.stage, a.kind.value), 0.0)
 
     chosen, sim = ordered(schedule, cost)
+    if chosen is schedule:
+        return None
     now = schedule.simulate(cost)
     held = all(a <= b for a, b in zip(sim.peak_held, now.peak_held))
-    if chosen is schedule or not (held and sim.makespan < 0.99 * now.makespan):
-        chosen, sim = None, now
-    if sizes is None or not any(b for pair in sizes for b in pair):
-        return chosen
-    # The lean orders, counted in microbatches and in bytes, for these costs:
-    # the one whose busiest rank holds least among those within 1 % of the
-    # choice above, where it holds less than that choice.
-    spr = schedule.stages // schedule.ranks
-    counted = build(schedule.name, schedule.ranks, schedule.microbatches, spr, lean=True)
-    leans = [ordered(counted, cost, lean=True)[0],
-             build(schedule.name, schedule.ranks, schedule.microbatches, spr, costs=cost,
-                   lean=True, sizes=sizes)]
-    best, least = chosen, max(peak_bytes(chosen if chosen is not None else schedule, sizes))
-    for lean in leans:
-        other = lean.simulate(cost)
-        held = max(peak_bytes(lean, sizes))
-        if (held < least and other.makespan <= 1.01 * sim.makespan
-                and all(a <= b for a, b in zip(other.peak_inflight, now.peak_inflight))):
-            best, least = lean, held
-    return best
+    return chosen if held and sim.makespan < 0.99 * now.makespan else None
 
 
 def rank_memory(schedule: Schedule, sums, mode: str, param_scale: float) -> list[int]:

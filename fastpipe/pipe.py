@@ -332,10 +332,8 @@ class Pipe(nn.Module):
 
     def _order_by_step(self, records: list) -> None:
         """After the step ``records`` timed, runs a zero-bubble schedule in the
-        order its measured action costs favour (``_plan.order_measured``;
-        where as fast, the lean one capped by the bytes each stage's
-        microbatches held), from the next step on; every rank (and replica)
-        takes the same order.
+        order its measured action costs favour (``_plan.order_measured``),
+        from the next step on; every rank (and replica) takes the same order.
 
         Skipped where torch is asked for deterministic algorithms on any
         rank: the order changes how W sums microbatches, so the rounding of
@@ -344,16 +342,12 @@ class Pipe(nn.Module):
         from fastpipe._plan import order_measured
 
         kinds, stages = "FBIW", self.schedule.stages
-        # Seconds per (stage, kind), the bytes a microbatch of each stage held
-        # from F to I and from I to W, then whether deterministic algorithms
-        # are on: each rank fills its own stages', the sum is everyone's.
-        timed = stages * len(kinds)
-        sums = torch.zeros(timed + 2 * stages + 1, dtype=torch.float64)
+        # Seconds per (stage, kind), then whether deterministic algorithms are
+        # on: each rank fills its own stages', the sum is everyone's.
+        sums = torch.zeros(stages * len(kinds) + 1, dtype=torch.float64)
         for r in records:
             if r.track == "compute":
                 sums[r.action.stage * len(kinds) + kinds.index(r.action.kind.value)] += r.end - r.start
-        for stage, held in self._runner.stage_bytes.items():
-            sums[timed + 2 * stage: timed + 2 * stage + 2] = torch.tensor(held, dtype=torch.float64)
         sums[-1] = float(torch.are_deterministic_algorithms_enabled())
         if self.distributed:
             self._runner.finish_loss_broadcast()
@@ -366,10 +360,8 @@ class Pipe(nn.Module):
         if sums[-1] > 0:
             return
         seconds = {(i // len(kinds), kinds[i % len(kinds)]): t
-                   for i, t in enumerate(sums[:timed].tolist()) if t > 0}
-        held = sums[timed:-1].tolist()
-        sizes = [(held[2 * s], held[2 * s + 1]) for s in range(stages)] if any(held) else None
-        chosen = order_measured(self.schedule, seconds, sizes)
+                   for i, t in enumerate(sums[:-1].tolist()) if t > 0}
+        chosen = order_measured(self.schedule, seconds)
         if chosen is None:
             return
         self._run_order(chosen)

@@ -124,7 +124,7 @@ def _force_order(seen: list):
 
     real = plan_mod.order_measured
 
-    def forced(schedule, seconds, sizes=None):
+    def forced(schedule, seconds):
         seen.append(dict(seconds))
         return build(schedule.name, schedule.ranks, schedule.microbatches,
                      schedule.stages // schedule.ranks, costs={"F": 1.0, "I": 1.0, "W": 0.25})

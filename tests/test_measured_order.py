@@ -62,8 +62,8 @@ def _spy(monkeypatch, result=None):
     a quarter of F (or ``result``)."""
     calls = []
 
-    def forced(schedule, seconds, sizes=None):
-        calls.append((schedule, dict(seconds), sizes))
+    def forced(schedule, seconds):
+        calls.append((schedule, dict(seconds)))
         if result is not None:
             return result
         return build(schedule.name, schedule.ranks, schedule.microbatches,
@@ -97,49 +97,6 @@ def test_local_pipe_reorders_after_its_second_step_and_stays_exact(monkeypatch, 
     assert set(seconds) == {(a.stage, a.kind.value) for row in built.actions for a in row
                             if a.kind.value in "FIW"}
     assert all(t > 0 for t in seconds.values())
-    # The bytes each stage's microbatch was booked from F to I and from I to W.
-    sizes = calls[0][2]
-    assert len(sizes) == built.stages and all(f > 0 and w > 0 for f, w in sizes), sizes
-    head = sizes[-1]  # the vocabulary head's W reads its logits' gradient
-    assert head[1] > head[0], sizes
-
-
-def test_order_measured_takes_the_byte_capped_lean_order_where_it_is_as_fast():
-    """A V whose last stage's W reads four times what its forward saved:
-    with the bytes, the order chosen is the byte-capped lean one where it
-    simulates within 1 % of the order by cost and holds less on its busiest
-    rank; without them, or where the lean order is slower, the choice is as
-    before."""
-    from fastpipe.schedules._greedy import peak_bytes
-
-    built = build("zbv", 2, 8)
-    cost = {"F": 1e-3, "I": 1e-3, "W": 0.5e-3}
-    seconds = _seconds(built, cost)
-    by_cost = order_measured(built, seconds)
-    heavy = [(1.0, 0.5)] * 3 + [(1.0, 4.0)]
-    lean = order_measured(built, seconds, heavy)
-    assert lean is not None and by_cost is not None and lean.actions != by_cost.actions
-    lean.validate()
-    reference = by_cost
-    costs = lambda a: cost[a.kind.value]  # noqa: E731
-    assert lean.simulate(costs).makespan <= 1.01 * reference.simulate(costs).makespan
-    assert max(peak_bytes(lean, heavy)) < max(peak_bytes(reference, heavy))
-    assert lean.actions == build("zbv", 2, 8, costs=lambda a: seconds[(a.stage, a.kind.value)] / 8,
-                                 lean=True, sizes=heavy).actions
-    # Where the byte cap costs speed, the lean order counted in microbatches,
-    # as fast as the built-in one at F = I = W, is taken (a block's W reads
-    # 1.25x its forward, the head's about as much: the loss's saved tensors).
-    even = _seconds(built, {"F": 1e-3, "I": 1e-3, "W": 1e-3})
-    blocks = [(96, 122), (72, 90), (72, 90), (66, 67)]
-    counted = order_measured(built, even, blocks)
-    assert order_measured(built, even) is None
-    assert counted is not None and counted.actions == build("zbv", 2, 8, lean=True).actions
-    assert max(peak_bytes(counted, blocks)) < 0.6 * max(peak_bytes(built, blocks))
-    # Bytes the lean order holds no fewer of (a light W), or none measured:
-    # the order by cost, as without them.
-    assert by_cost is not None
-    for sizes in ([(1.0, 0.1)] * 4, [(0.0, 0.0)] * 4):
-        assert order_measured(built, seconds, sizes).actions == by_cost.actions, sizes
 
 
 def test_a_schedule_given_as_a_list_or_a_fixed_order_is_never_reordered(monkeypatch):

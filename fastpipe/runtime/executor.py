@@ -239,10 +239,6 @@ class RankExecutor(StageCompute):
         self._activations: dict[tuple[int, int], int] = {}
         self.live_activation_bytes = 0
         self.peak_activation_bytes = 0
-        # Per stage, the most bytes one microbatch was booked from its F to
-        # its I and from its I to its W (a byte-capped order's sizes:
-        # ``_plan.order_measured``).
-        self.stage_bytes: dict[int, list[int]] = {}
 
     # --- the loop -------------------------------------------------------------
 
@@ -467,11 +463,6 @@ class RankExecutor(StageCompute):
         self.live_activation_bytes += nbytes - self._activations.get(key, 0)
         self._activations[key] = nbytes
         self.peak_activation_bytes = max(self.peak_activation_bytes, self.live_activation_bytes)
-
-    def _note_bytes(self, stage: int, state: int, nbytes: int) -> None:
-        """``stage_bytes``: state 0 from F to I, 1 from I to W."""
-        sizes = self.stage_bytes.setdefault(stage, [0, 0])
-        sizes[state] = max(sizes[state], nbytes)
 
     def _hold(self, delta: int) -> None:
         """Books bytes kept beyond their microbatch's last action (deferred W)."""

@@ -102,7 +102,6 @@ class StageCompute:
                         if a.stage or where != span(tensors[i])[0])
                 stage.saved_bytes[shape_key] = self._saved_bytes.total - start
             self._count((a.stage, mb), start)
-            self._note_bytes(a.stage, 0, self._activations[(a.stage, mb)])
         if last:
             self._finish_forward(mb, out, loss, leaves, rng, spec)
             if self._train:
@@ -166,7 +165,6 @@ class StageCompute:
             self._deliver(("F", a.stage + 1, mb), a.stage + 1, ([out], False))
             saved = Saved([], leaves, chain=kept)
         self._count((a.stage, mb), start)
-        self._note_bytes(a.stage, 0, self._activations[(a.stage, mb)])
         self._saved[(a.stage, mb)] = saved
 
     def _chain_input(self, a: Action, saved: Saved) -> deferred.Pending:
@@ -304,7 +302,6 @@ class StageCompute:
         if held is None:
             held = self.stages[a.stage].saved_bytes[shape_key] = pending.nbytes
         self._rebook(key, held)
-        self._note_bytes(a.stage, 1, held)
         self._weights[key] = pending
 
     def _input_grads(self, a: Action, saved: Saved) -> deferred.Pending | None:
