@@ -655,14 +655,14 @@ GPT_TARGET = {"gpu-bound": 1.0, "launch-bound": 1.05}
 GPT_SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "zbv lean", "zbv lean/bytes", "dualpipev"]
 
 
-def _sized_lean(model, ids, chunks: int, amp):
+def _sized_lean(model, ids, targets, loss_fn, chunks: int, amp):
     """``fastpipe.plan``'s zbv candidate whose lean cap counts bytes, profiled
-    on the device under ``amp``; None where the planner made none."""
+    on the device under ``amp`` with the loss; None where the planner made none."""
     from fastpipe import plan
 
     with amp:
         found = plan(model, ids, 2, schedules=["zbv"], chunks=[chunks], checkpoints=["never"],
-                     device=DEV)
+                     device=DEV, loss_fn=loss_fn, target=targets)
     return next((c for c in found.candidates if c.sized), None)
 
 
@@ -699,7 +699,7 @@ def section_gpt() -> None:
             # lean one keeps its unit-cost order: it is given as a list).
             runs, split = (build(name, 2, chunks, spr, lean=True) if lean else name), "auto"
             if schedule.endswith("/bytes"):
-                sized = _sized_lean(model, ids, chunks, amp)
+                sized = _sized_lean(model, ids, tg, lm_loss, chunks, amp)
                 if sized is None:
                     figure(f"gpt {label} {schedule}: not a candidate", 0.0, "",
                            "its walk is not below the count-capped lean order's")

@@ -147,16 +147,25 @@ def _fitted(w, schedules: list[str], factor: float, ranks: int) -> dict:
 
 
 def walk(w, schedules: list[str], ranks: int = 2) -> None:
-    """Runs nothing: ``fastpipe.plan``'s candidates for ``schedules`` over the
-    workload's profile (no checkpointing, parameters left out), each with its
-    simulated step and walked peak per rank (``Plan.explain``)."""
-    from bench._workloads import _profile
+    """Runs nothing: ``fastpipe.plan``'s candidates for ``schedules`` over a
+    profile of the workload with its loss (no checkpointing, parameters left
+    out), each with its simulated step and walked peak per rank
+    (``Plan.explain``)."""
     from fastpipe import plan
 
-    x, _ = w.data()
+    from fastpipe.balance import profile
+
+    x, y = w.data()
     print(f"\n{w.name}: {w.describe()}, {ranks} ranks; the planner's walk, activations only")
-    plan(w.build(), x, ranks, schedules=schedules, chunks=[w.chunks], checkpoints=["never"],
-         param_scale=0.0, prof=_profile(w.name)).explain()
+    model = w.build()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:  # the loss with the last layer, as the last stage runs it
+        prof = profile(model, x, "cpu", w.chunks, loss_fn=w.loss_fn, target=y)
+    finally:
+        torch.set_num_threads(threads)
+    plan(model, x, ranks, schedules=schedules, chunks=[w.chunks], checkpoints=["never"],
+         param_scale=0.0, prof=prof).explain()
 
 
 def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True,

@@ -96,13 +96,17 @@ class Placement:
         return list({id(p): p for st in self.stages.get(self.cfg.rank, {}).values()
                      for p in st.module.parameters()}.values())
 
-    def split_by_time(self, x: Any) -> None:
+    def split_by_time(self, x: Any, loss_fn=None, target: Any = None) -> None:
         """balance="auto": the first stage's rank profiles every layer on the
         first microbatch of ``x``; every rank (and replica) takes its split,
         then builds its stages. Every rank raises, or none. A built-in
         zero-bubble schedule also gets the order for the profiled stage costs
         where that simulates faster (``fastpipe._plan.order_for``):
-        ``order``, which the Pipe then runs; None keeps the schedule."""
+        ``order``, which the Pipe then runs; None keeps the schedule.
+        In local mode a training step's ``loss_fn`` and ``target`` are
+        profiled with the last layer (its time and the bytes the loss
+        saves); distributed, the profiling rank holds the first stage and
+        need not have the targets, so the loss is left out."""
         from fastpipe._plan import order_for
         from fastpipe.balance import balance_from_profile, profile
 
@@ -112,7 +116,9 @@ class Placement:
         mine = meta_problem(list(self.model), range(len(self.model))) if profiles else None
         self._raise_on_all(mine)
         if profiles:
-            prof = profile(self.model, x, cfg.devices[holder], cfg.chunks)
+            loss = {} if cfg.distributed or loss_fn is None or target is None else \
+                {"loss_fn": loss_fn, "target": target}
+            prof = profile(self.model, x, cfg.devices[holder], cfg.chunks, **loss)
             balance = balance_from_profile(prof, cfg.schedule.stages, schedule=cfg.schedule)
             chosen = balance, order_for(prof, balance, cfg.schedule, cfg.checkpoint)
         if cfg.distributed:

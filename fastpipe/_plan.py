@@ -380,6 +380,8 @@ def plan(
     latency: float = 0.0,
     transfer_cost: float = 0.0,
     prof: Profile | None = None,
+    loss_fn=None,
+    target=None,
 ) -> Plan:
     """Searches schedule × chunks × balance × checkpoint mode with the simulator.
 
@@ -405,6 +407,11 @@ def plan(
             with the communication threads, a message sent right after
             compute costs several times what an idle ping-pong shows.
         prof: a ``Profile`` to reuse (profiling is the slow part).
+        loss_fn, target: the step's loss and target batch: the last
+            stage's time and memory then include the loss (a language
+            model's cross-entropy saves its fp32 log-softmax, vocabulary
+            wide, for every microbatch in flight on the last rank); without
+            them the walk leaves it out.
 
     Returns:
         The ``Plan``; ``plan.explain()`` prints the candidates.
@@ -429,7 +436,8 @@ def plan(
         # of that size, so caches see what a rank's stages put through them.
         window = -(-len(model) // ranks)
         prof = profile(model, sample, device, max(options),
-                       fit_rows=large if large != small else None, window=window)
+                       fit_rows=large if large != small else None, window=window,
+                       loss_fn=loss_fn, target=target)
     candidates = []
     for name in schedules if schedules is not None else names():
         for m in options:

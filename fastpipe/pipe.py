@@ -251,7 +251,7 @@ class Pipe(nn.Module):
         return loss
 
     def _train_step(self, x: Any, target: Any, loss_fn: LossFn, scaler) -> torch.Tensor:
-        loss_fn, factor = self._begin_step(x, loss_fn, scaler)
+        loss_fn, factor = self._begin_step(x, loss_fn, scaler, target)
         inputs, targets, refused = self._split_inputs(x, target)
         tied = self._place.tied
         if self.dp_group is not None and self._grad_average is None:
@@ -295,7 +295,8 @@ class Pipe(nn.Module):
             raise
         return loss
 
-    def _begin_step(self, x: Any, loss_fn: LossFn, scaler) -> tuple[LossFn, torch.Tensor | None]:
+    def _begin_step(self, x: Any, loss_fn: LossFn, scaler, target: Any = None
+                    ) -> tuple[LossFn, torch.Tensor | None]:
         """Checks a step's arguments, makes the stages (``balance="auto"``) and
         compares copies (first step); ``(loss_fn, factor)``, scaled by ``scaler``."""
         if not torch.is_grad_enabled():
@@ -307,17 +308,18 @@ class Pipe(nn.Module):
         device = self.devices[self.rank if self.distributed else self.schedule.stage_to_rank[-1]]
         factor = _args.loss_scale(scaler, self.group, self.distributed, device)
         if self._stages is None:
-            self._split_by_time(x)
+            self._split_by_time(x, loss_fn, target)
         if not self._weights_checked:
             self._place.check_weights()
             self._weights_checked = True
         return (loss_fn if factor is None else _args.scaled_loss(loss_fn, factor)), factor
 
-    def _split_by_time(self, x: Any) -> None:
+    def _split_by_time(self, x: Any, loss_fn: LossFn | None = None, target: Any = None) -> None:
         """balance="auto" at the first step or forward: the split, then the
         zero-bubble order for the measured costs where the placement chose one.
-        Before anything ran, so no receive ring was sized for the old order."""
-        self._place.split_by_time(x)
+        Before anything ran, so no receive ring was sized for the old order.
+        A step's ``loss_fn`` and ``target`` are profiled with the last layer."""
+        self._place.split_by_time(x, loss_fn, target)
         if self._place.order is not None:
             self._run_order(self._place.order)
 

@@ -234,6 +234,53 @@ def _set_times(measured):
         for p, t in ((p, 1e-3 if p.param_bytes else 1e-4) for p in measured.layers)))
 
 
+def test_the_walk_counts_the_loss_with_the_last_stage():
+    """A language model's cross-entropy saves its log-softmax, vocabulary
+    wide: given the loss, the profile books it to the last layer, and the
+    planner's walk of the last rank is what the executor books; without it
+    the walk is short by about that much."""
+    from tests.models import gpt, gpt_batch, lm_loss
+
+    model = gpt(vocab=1024, d=16, heads=2, blocks=2, seq=16, dtype=torch.float32)
+    ids, tg = gpt_batch(64, 1024, 16)
+    plain = profile(model, ids, "cpu", 8)
+    lossy = profile(model, ids, "cpu", 8, loss_fn=lm_loss, target=tg)
+    log_softmax = 8 * 16 * 1024 * 4  # a microbatch's rows x vocabulary, fp32
+    added = lossy.layers[-1].activation_bytes - plain.layers[-1].activation_bytes
+    assert log_softmax <= added < 1.1 * log_softmax, added
+    assert [x.activation_bytes for x in lossy.layers[:-1]] == [x.activation_bytes for x in plain.layers[:-1]]
+    for prof, exact in ((plain, False), (lossy, True)):
+        made = plan(model, ids, 2, schedules=["1f1b"], chunks=[8], checkpoints=["never"],
+                    prof=_set_times(prof))
+        model.zero_grad(set_to_none=True)
+        _, stats = _step_on_plan(model, made, ids, tg, lm_loss)
+        booked, walked = stats[1]["peak"], made.best.memory[1]
+        assert (booked == pytest.approx(walked, rel=0.02)) is exact, (booked, walked)
+    with pytest.raises(ValueError, match="loss_fn and target together"):
+        profile(model, ids, "cpu", 8, loss_fn=lm_loss)
+
+
+def test_auto_balance_profiles_the_loss_in_local_mode(monkeypatch):
+    import fastpipe.balance as balance_mod
+    from tests.models import gpt, gpt_batch, lm_loss
+
+    seen = []
+    real = balance_mod.profile
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("loss_fn"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(balance_mod, "profile", spy)
+    ids, tg = gpt_batch(16)
+    pipe = Pipe(gpt(), chunks=4, balance="auto", devices=["cpu", "cpu"])
+    try:
+        pipe.step(ids, tg, lm_loss)
+    finally:
+        pipe.close()
+    assert seen == [lm_loss]
+
+
 def test_plan_under_a_memory_limit_fits_what_the_executor_accounts():
     """A limit below what 1F1B without checkpointing needs: the planner picks a
     plan that fits, and the executor's own peak stays under the limit."""

@@ -12,7 +12,8 @@ per layer: parameter bytes, the bytes autograd saves for backward
 (parameters excluded, a tensor saved twice once), counted with saved-tensor
 hooks on the layer before's output as a stage runs them, and the bytes a
 split schedule's W reads from I on (what the layer's weight rules kept,
-and the output gradients I left them).
+and the output gradients I left them). Given the step's loss, the last
+layer's figures include it, as the last stage's F and I do.
 """
 
 from __future__ import annotations
@@ -116,8 +117,10 @@ def _detached(out):
 class _Timed:
     """One layer and every timed sample of its F, B, I and W."""
 
-    def __init__(self, layer: nn.Module, first: bool):
-        self.layer, self.first = layer, first
+    def __init__(self, layer: nn.Module, first: bool, loss=None):
+        # ``loss``: the last layer's, ``(output) -> scalar``: its F, B and I
+        # then take in the loss as the last stage's do.
+        self.layer, self.first, self.loss = layer, first, loss
         self.device = "cpu"  # the device of the last forward (set there)
         self.weight_bytes = 0  # what its W reads after I (set by the last window)
         self.gathering = (0, 0)  # WeightQueue.gathering of its W (likewise)
@@ -134,6 +137,8 @@ class _Timed:
         t0 = time.perf_counter()
         with deferred.collecting(pending) if pending is not None else contextlib.nullcontext():
             out = self.layer(mbatch.unflatten(leaves, spec))
+            if self.loss is not None:
+                out = self.loss(out)
         if record:
             _sync(device)
             self.samples["forward"].append(time.perf_counter() - t0)
@@ -183,14 +188,15 @@ def _run_window(timed: list[_Timed], inputs: list, device, record: bool) -> None
 
 
 def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,
-                window: int) -> list[LayerProfile]:
+                window: int, loss=None) -> list[LayerProfile]:
     # The input of every layer (and its output's size), from one plain pass.
     inputs, value = [], micro
     for layer in model:
         inputs.append(value)
         with torch.no_grad():
             value = _detached(layer(_detached(value)))
-    timed = [_Timed(layer, i == 0) for i, layer in enumerate(model)]
+    last = len(model) - 1
+    timed = [_Timed(layer, i == 0, loss if i == last else None) for i, layer in enumerate(model)]
     for start in range(0, len(timed), window):
         part = slice(start, start + window)
         for i in range(warmup + repeats):
@@ -206,6 +212,8 @@ def _profile_at(model: nn.Sequential, micro, device, warmup: int, repeats: int,
         leaves, spec = _leaves(value if previous is None else previous, device, t.first)
         with saved.counting():
             out = t.layer(mbatch.unflatten(leaves, spec))
+            if t.loss is not None:  # what the loss saved, the last stage's too
+                t.loss(out)
         shared = sum(n for _, n in saved.seen & before)
         before, previous = saved.seen, out
         for p in t.params:
@@ -233,6 +241,8 @@ def profile(
     warmup: int = 2,
     fit_rows: int | None = None,
     window: int | None = None,
+    loss_fn=None,
+    target=None,
 ) -> Profile:
     """Profiles every layer of ``model`` on one microbatch of ``sample``.
 
@@ -247,6 +257,11 @@ def profile(
             the fixed per-call cost of small microbatches.
         window: layers timed together as one run (default: all of them);
             the planner passes about the number of layers a rank holds.
+        loss_fn, target: the step's ``loss_fn(output, target)`` and target
+            batch (split as ``sample``): the last layer's times and bytes
+            then include the loss, as the last stage runs it (a vocabulary
+            head's cross-entropy saves its log-softmax, the largest tensor
+            of a language model's step). Both or neither.
 
     Returns:
         A ``Profile``.
@@ -265,15 +280,32 @@ def profile(
         raise ValueError(f"window must be a positive int, got {window!r}")
     if not isinstance(repeats, int) or repeats < 1 or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats!r} and {warmup!r}")
+    if (loss_fn is None) != (target is None):
+        raise ValueError("profile takes loss_fn and target together, or neither")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     micro = mbatch.split(sample, chunks)[0]
     rows = mbatch.batch_size(micro)
-    layers = _profile_at(model, micro, device, warmup, repeats, window)
+    layers = _profile_at(model, micro, device, warmup, repeats, window,
+                         _loss_of(loss_fn, target, chunks, device))
     fits: tuple[dict, ...] = ()
     if fit_rows is not None and fit_rows != rows:
         other_micro = _rows_of(sample, fit_rows)
-        other = _profile_at(model, other_micro, device, warmup, repeats, window)
+        other = _profile_at(model, other_micro, device, warmup, repeats, window,
+                            _loss_of(loss_fn, target, chunks, device, fit_rows))
         fits = tuple(_fit(a, rows, b, fit_rows) for a, b in zip(layers, other))
     return Profile(tuple(layers), rows, str(device), fits)
+
+
+def _loss_of(loss_fn, target, chunks: int, device, rows: int | None = None):
+    """``(output) -> loss_fn(output, target)`` on the profiled microbatch's
+    target (its first ``rows`` rows, where given), on ``device``; None
+    without a loss."""
+    if loss_fn is None:
+        return None
+    micro = _rows_of(target, rows) if rows is not None else mbatch.split(target, chunks)[0]
+    micro = tuple(t.to(device) for t in micro) if isinstance(micro, tuple) else micro.to(device)
+    return lambda out: loss_fn(out, micro)
 
 
 def _rows_of(sample, rows: int):
