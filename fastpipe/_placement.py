@@ -103,10 +103,11 @@ class Placement:
         zero-bubble schedule also gets the order for the profiled stage costs
         where that simulates faster (``fastpipe._plan.order_for``):
         ``order``, which the Pipe then runs; None keeps the schedule.
-        In local mode a training step's ``loss_fn`` and ``target`` are
-        profiled with the last layer (its time and the bytes the loss
-        saves); distributed, the profiling rank holds the first stage and
-        need not have the targets, so the loss is left out."""
+        A training step's ``loss_fn`` and ``target`` are profiled with the
+        last layer (its time and the bytes the loss saves) where the
+        profiling rank has the target (ranks without the last stage may
+        pass None). Should profiling fail there, every rank raises: the
+        profiling rank its own error, the others a RuntimeError naming it."""
         from fastpipe._plan import order_for
         from fastpipe.balance import balance_from_profile, profile
 
@@ -115,12 +116,18 @@ class Placement:
         profiles = not cfg.distributed or cfg.rank == holder  # it must hold every layer
         mine = meta_problem(list(self.model), range(len(self.model))) if profiles else None
         self._raise_on_all(mine)
+        failed: Exception | None = None
         if profiles:
-            loss = {} if cfg.distributed or loss_fn is None or target is None else \
-                {"loss_fn": loss_fn, "target": target}
-            prof = profile(self.model, x, cfg.devices[holder], cfg.chunks, **loss)
-            balance = balance_from_profile(prof, cfg.schedule.stages, schedule=cfg.schedule)
-            chosen = balance, order_for(prof, balance, cfg.schedule, cfg.checkpoint)
+            loss = {} if loss_fn is None or target is None else {"loss_fn": loss_fn, "target": target}
+            try:
+                prof = profile(self.model, x, cfg.devices[holder], cfg.chunks, **loss)
+                balance = balance_from_profile(prof, cfg.schedule.stages, schedule=cfg.schedule)
+                chosen = balance, order_for(prof, balance, cfg.schedule, cfg.checkpoint)
+            except Exception as exc:
+                if not cfg.distributed:
+                    raise
+                # The others wait in the broadcast below: they get the reason instead.
+                failed, chosen = exc, f"{type(exc).__name__}: {exc}"
         if cfg.distributed:
             box = [chosen]
             src = dist.get_global_rank(cfg.group, holder) if cfg.group is not None else holder
@@ -129,6 +136,11 @@ class Placement:
                 dist.broadcast_object_list(box, src=dist.get_global_rank(cfg.dp_group, 0),
                                            group=cfg.dp_group)
             chosen = box[0]
+            if isinstance(chosen, str):
+                if failed is not None:
+                    raise failed
+                raise RuntimeError(f'balance="auto": profiling the layers on pipeline rank {holder} '
+                                   f"failed: {chosen}")
         balance, self.order = chosen
         self.balance = _args.resolve_balance(balance, self.model, cfg.schedule.stages)
         self._find_ties(self.balance)

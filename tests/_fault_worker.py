@@ -117,6 +117,10 @@ def _model(case: dict, rank: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 6), first, SumAll(), second, nn.Linear(6, 3)).double()
 
 
+def _failing_loss(out, target):
+    raise ValueError("the loss cannot read this target")
+
+
 def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
     from fastpipe import Pipe
 
@@ -133,6 +137,8 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
             register_weight_rule(FailW, _fail_w_rule())
             kwargs["balance"] = [2, 4] if case.get("stage") != 0 else [3, 4] if case.get("tied") \
                 else [3, 3]
+        if case["fault"] == "profile_loss":  # balance="auto" profiles the loss on rank 0 only
+            kwargs["balance"] = "auto"
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
         os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if exact else "0"
@@ -158,7 +164,9 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
                     pipe(xs)  # while the other rank trains
                 result["losses"].append(None)
                 continue
-            result["losses"].append(pipe.step(xs, ys, nn.functional.mse_loss).item())
+            loss_fn = _failing_loss if case["fault"] == "profile_loss" and rank == 0 \
+                else nn.functional.mse_loss
+            result["losses"].append(pipe.step(xs, ys, loss_fn).item())
         result["ok"] = True
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         result.update(ok=False, type=type(exc).__name__, message=str(exc),

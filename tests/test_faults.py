@@ -145,6 +145,17 @@ def test_bad_input_on_one_rank_fails_both_at_once(tmp_path, fault, rank, message
 
 
 @pytest.mark.timeout(120)
+def test_a_failure_profiling_the_loss_for_auto_balance_fails_every_rank(tmp_path):
+    """balance="auto": the first stage's rank profiles the layers and the
+    step's loss; when the loss raises there, that rank raises it and the
+    other, waiting for the split, a RuntimeError naming it, at once."""
+    res, codes = _run({"fault": "profile_loss"}, tmp_path)
+    _failed_fast(res[0], "ValueError", "the loss cannot read this target")
+    _failed_fast(res[1], "RuntimeError", 'balance="auto"', "pipeline rank 0",
+                 "the loss cannot read this target")
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_rank_in_another_call_fails_its_peer_at_once(tmp_path, transport):
     """Rank 1 (the last stage) runs pipe(x) while rank 0 runs step(): the
