@@ -172,15 +172,17 @@ def workload(name: str) -> Workload:
 
 @functools.cache
 def _profile(name: str):
-    """Each layer's measured forward, backward, I and W at one microbatch, one thread."""
+    """Each layer's measured forward, backward, I and W at one microbatch, one
+    thread, the loss with the last layer (as ``Pipe(balance="auto")`` profiles
+    a step given its target)."""
     from fastpipe.balance import profile
 
     w = workload(name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        x, _ = w.data()
-        return profile(w.build(), x, "cpu", w.chunks)
+        x, y = w.data()
+        return profile(w.build(), x, "cpu", w.chunks, loss_fn=w.loss_fn, target=y)
     finally:
         torch.set_num_threads(threads)
 

@@ -153,19 +153,12 @@ def walk(w, schedules: list[str], ranks: int = 2) -> None:
     (``Plan.explain``)."""
     from fastpipe import plan
 
-    from fastpipe.balance import profile
+    from bench._workloads import _profile
 
-    x, y = w.data()
+    x, _ = w.data()
     print(f"\n{w.name}: {w.describe()}, {ranks} ranks; the planner's walk, activations only")
-    model = w.build()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:  # the loss with the last layer, as the last stage runs it
-        prof = profile(model, x, "cpu", w.chunks, loss_fn=w.loss_fn, target=y)
-    finally:
-        torch.set_num_threads(threads)
-    plan(model, x, ranks, schedules=schedules, chunks=[w.chunks], checkpoints=["never"],
-         param_scale=0.0, prof=prof).explain()
+    plan(w.build(), x, ranks, schedules=schedules, chunks=[w.chunks], checkpoints=["never"],
+         param_scale=0.0, prof=_profile(w.name)).explain()
 
 
 def run(w, schedules: list[str], warmup: int, steps: int, ranks: int = 2, by_cost: bool = True,
