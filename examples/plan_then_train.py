@@ -32,7 +32,8 @@ def main() -> None:
     model = gpt(width=args.width, blocks=args.blocks)
     x, y = batch(0, args.batch)
     plan = fastpipe.plan(model, x, args.ranks, memory_limit=args.memory_limit,
-                         param_scale=4.0)  # parameter, gradient and AdamW's two states
+                         param_scale=4.0,  # parameter, gradient and AdamW's two states
+                         loss_fn=loss_fn, target=y)  # the loss's time and memory, last stage
     plan.explain(top=5)
     print(f"chosen: {plan.schedule}, {plan.chunks} chunks, balance {plan.balance}, "
           f"checkpoint {plan.checkpoint}")
