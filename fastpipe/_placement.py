@@ -106,7 +106,8 @@ class Placement:
         A training step's ``loss_fn`` and ``target`` are profiled with the
         last layer (its time and the bytes the loss saves) where the
         profiling rank has the target (ranks without the last stage may
-        pass None). Should profiling fail there, every rank raises: the
+        pass None), and left out where the loss fails on it (a placeholder
+        target). Should profiling fail there, every rank raises: the
         profiling rank its own error, the others a RuntimeError naming it."""
         from fastpipe._plan import order_for
         from fastpipe.balance import balance_from_profile, profile
@@ -120,7 +121,16 @@ class Placement:
         if profiles:
             loss = {} if loss_fn is None or target is None else {"loss_fn": loss_fn, "target": target}
             try:
-                prof = profile(self.model, x, cfg.devices[holder], cfg.chunks, **loss)
+                try:
+                    prof = profile(self.model, x, cfg.devices[holder], cfg.chunks, **loss)
+                except Exception as exc:
+                    if not loss:
+                        raise
+                    # A target this rank was given for form's sake (the last
+                    # stage's rank computes the loss): the layers alone.
+                    log.info("pipe: balance='auto' profiles the layers without the loss (%s: %s)",
+                             type(exc).__name__, exc)
+                    prof = profile(self.model, x, cfg.devices[holder], cfg.chunks)
                 balance = balance_from_profile(prof, cfg.schedule.stages, schedule=cfg.schedule)
                 chosen = balance, order_for(prof, balance, cfg.schedule, cfg.checkpoint)
             except Exception as exc:

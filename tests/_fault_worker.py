@@ -137,7 +137,7 @@ def run(rank: int, world: int, init: str, case: dict, out_path: str) -> None:
             register_weight_rule(FailW, _fail_w_rule())
             kwargs["balance"] = [2, 4] if case.get("stage") != 0 else [3, 4] if case.get("tied") \
                 else [3, 3]
-        if case["fault"] == "profile_loss":  # balance="auto" profiles the loss on rank 0 only
+        if case["fault"] == "profile_loss" or case.get("auto"):  # rank 0 profiles every layer
             kwargs["balance"] = "auto"
         kwargs.update(case.get("per_rank", {}).get(rank, {}))
         exact = case.get("exact_by_rank", {}).get(rank, case.get("exact"))
