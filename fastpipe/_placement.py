@@ -110,7 +110,7 @@ class Placement:
         target). Should profiling fail there, every rank raises: the
         profiling rank its own error, the others a RuntimeError naming it."""
         from fastpipe._plan import order_for
-        from fastpipe.balance import balance_from_profile, profile
+        from fastpipe.balance import balance_from_profile
 
         cfg, chosen = self.cfg, (None, None)
         holder = cfg.schedule.stage_to_rank[0]
@@ -119,18 +119,8 @@ class Placement:
         self._raise_on_all(mine)
         failed: Exception | None = None
         if profiles:
-            loss = {} if loss_fn is None or target is None else {"loss_fn": loss_fn, "target": target}
             try:
-                try:
-                    prof = profile(self.model, x, cfg.devices[holder], cfg.chunks, **loss)
-                except Exception as exc:
-                    if not loss:
-                        raise
-                    # A target this rank was given for form's sake (the last
-                    # stage's rank computes the loss): the layers alone.
-                    log.info("pipe: balance='auto' profiles the layers without the loss (%s: %s)",
-                             type(exc).__name__, exc)
-                    prof = profile(self.model, x, cfg.devices[holder], cfg.chunks)
+                prof = self._profile(x, cfg.devices[holder], loss_fn, target)
                 balance = balance_from_profile(prof, cfg.schedule.stages, schedule=cfg.schedule)
                 chosen = balance, order_for(prof, balance, cfg.schedule, cfg.checkpoint)
             except Exception as exc:
@@ -159,6 +149,20 @@ class Placement:
         if cfg.free_remote:
             self.free_remote()
         log.info("pipe: balance by time %s", self.balance)
+
+    def _profile(self, x: Any, device, loss_fn, target):
+        """``split_by_time``'s profile: with the step's loss where it runs on
+        this rank's target, else the layers alone (a target given for form's
+        sake: the last stage's rank computes the loss)."""
+        from fastpipe.balance import profile
+
+        if loss_fn is not None and target is not None:
+            try:
+                return profile(self.model, x, device, self.cfg.chunks, loss_fn=loss_fn, target=target)
+            except Exception as exc:
+                log.info("pipe: balance='auto' profiles the layers without the loss (%s: %s)",
+                         type(exc).__name__, exc)
+        return profile(self.model, x, device, self.cfg.chunks)
 
     def check_ranks_agree(self) -> None:
         """One small collective: every rank must have built the same pipeline.

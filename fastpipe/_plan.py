@@ -494,8 +494,9 @@ def _candidate(prof: Profile, sched: Schedule, balance: Sequence[int], mode: str
     whose cap counts the stages' bytes over ``balance`` (``build(sizes=)``)."""
     sums = _stage_sums(prof, balance)
     cost = _cost_fn(sums, mode, sched.microbatches, sched, transfer_cost)
-    sizes = stage_sizes(sums) if sized else None
+    sizes = None
     if sized:
+        sizes = stage_sizes(sums)
         sched = build(sched.name, sched.ranks, sched.microbatches, sched.stages // sched.ranks,
                       lean=True, sizes=sizes)
     chosen, sim = ordered(sched, cost, speeds, latency, lean=lean, sizes=sizes)

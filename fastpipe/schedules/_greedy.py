@@ -218,33 +218,36 @@ def _earliest(action: Action) -> tuple[int, int]:
 def _commit(rank: _Rank, action: Action, nxt: dict[tuple[Kind, int], int],
             sizes: Sequence[tuple[float, float]] | None = None) -> None:
     rank.row.append(action)
-    before, after = sizes[action.stage] if sizes is not None else (0.0, 0.0)
+    if sizes is not None:
+        rank.nbytes += _bytes_added(action, sizes)
     if action.kind is Kind.F:
         nxt[(Kind.F, action.stage)] += 1
         rank.live += 1
         rank.held += 1
-        rank.nbytes += before
     elif action.kind is Kind.I:
         nxt[(Kind.I, action.stage)] += 1
         rank.live -= 1
-        rank.nbytes += after - before
         rank.owed.append(Action(action.stage, Kind.W, action.microbatch))
     else:
         rank.owed.popleft()
         rank.held -= 1
-        rank.nbytes -= after
+
+
+def _bytes_added(action: Action, sizes: Sequence[tuple[float, float]]) -> float:
+    """What ``action`` adds to its rank's bytes: an F its stage's F-to-I
+    bytes, an I trades them for its I-to-W bytes, a W frees those."""
+    before, after = sizes[action.stage]
+    return before if action.kind is Kind.F else after - before if action.kind is Kind.I else -after
 
 
 def peak_bytes(schedule: Schedule, sizes: Sequence[tuple[float, float]]) -> list[float]:
     """Per rank, the most bytes its list holds at once by the scheduler's
-    model of ``sizes`` (an F adds its stage's F-to-I bytes, an I trades them
-    for its I-to-W bytes, a W frees those), whatever the timing."""
+    model of ``sizes`` (``_bytes_added``), whatever the timing."""
     peaks = []
     for row in schedule.actions:
         held = peak = 0.0
         for a in row:
-            before, after = sizes[a.stage]
-            held += before if a.kind is Kind.F else after - before if a.kind is Kind.I else -after
+            held += _bytes_added(a, sizes)
             peak = max(peak, held)
         peaks.append(peak)
     return peaks
