@@ -59,7 +59,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "plans (schedule, microbatches, layers per stage) that fit the memory limit.",
     )
     plan.add_argument("--model", required=True,
-                      help="MODULE:FACTORY; FACTORY() returns an nn.Sequential, or (model, sample)")
+                      help="MODULE:FACTORY; FACTORY() returns an nn.Sequential, (model, sample), "
+                      "or (model, sample, target)")
+    plan.add_argument("--loss", default=None, metavar="MODULE:FN",
+                      help="the step's loss_fn(output, target), timed and walked with the last "
+                      "stage (FACTORY must give the target); without it the plans leave the "
+                      "loss out")
     plan.add_argument("--ranks", type=_positive_int, default=2, help="pipeline ranks (2)")
     plan.add_argument("--input-shape", type=_parse_shape, default=None,
                       help="sample batch shape, e.g. 64,512 (random fp32), if FACTORY gives no sample")
@@ -80,12 +85,13 @@ def _parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _load_factory(spec: str):
+def _load(spec: str, flag: str = "--model", what: str = "FACTORY"):
+    """The object ``MODULE:NAME`` names (``flag`` and ``what`` word the error)."""
     import importlib
 
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise ValueError(f"--model must look like MODULE:FACTORY, got {spec!r}")
+        raise ValueError(f"{flag} must look like MODULE:{what}, got {spec!r}")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
@@ -98,19 +104,31 @@ def _run_plan(args: argparse.Namespace) -> int:
     from fastpipe._plan import parse_bytes, plan
 
     try:
-        made = _load_factory(args.model)()
-        model, sample = made if isinstance(made, tuple) else (made, None)
+        made = _load(args.model)()
+        made = made if isinstance(made, tuple) else (made,)
+        if not 1 <= len(made) <= 3:
+            raise ValueError(f"{args.model} returned {len(made)} values; expected a model, "
+                             "(model, sample) or (model, sample, target)")
+        model, sample, target = (*made, None, None)[:3]
+        loss_fn = _load(args.loss, "--loss", "FN") if args.loss is not None else None
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"--loss {args.loss} is a {type(loss_fn).__name__}, not a function")
+        if loss_fn is not None and target is None:
+            raise ValueError(f"--loss needs a target: {args.model} must return (model, sample, target)")
+        if loss_fn is None:
+            target = None  # the loss is left out without --loss
         if sample is None:
             if args.input_shape is None:
                 raise ValueError(f"{args.model} returns no sample: pass --input-shape")
             dtype = next((p.dtype for p in model.parameters()), torch.float32)
             sample = torch.randn(args.input_shape, dtype=dtype)
         result = plan(model, sample, args.ranks, parse_bytes(args.memory_limit),
-                      param_scale=args.param_scale)
+                      param_scale=args.param_scale, loss_fn=loss_fn, target=target)
     except ValueError as exc:
         args.parser.error(str(exc))
     print(f"plans for {args.model} on {args.ranks} ranks, batch {tuple(sample.shape)}, "
-          f"profiled on cpu (predicted step times from the simulator):")
+          f"profiled on cpu{' with ' + args.loss if loss_fn is not None else ''} "
+          "(predicted step times from the simulator):")
     result.explain(args.top)
     return 0
 

@@ -224,6 +224,12 @@ def gpt32(seed: int = 0) -> nn.Sequential:
     return gpt(dtype=torch.float32, seed=seed)
 
 
+def gpt_lm(batch: int = 8) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
+    """``gpt32``, a batch of its ids and their targets: a ``fastpipe plan``
+    factory that gives the target ``--loss`` needs."""
+    return (gpt32(), *gpt_batch(batch))
+
+
 def lm_loss(logits, targets):
     """Next-token cross-entropy: logits (batch, seq, vocab), targets (batch, seq)."""
     return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -508,6 +508,40 @@ def test_plan_cli_prints_the_table():
     assert bad.returncode == 2 and "MODULE:FACTORY" in bad.stderr
 
 
+def test_plan_cli_passes_the_loss_and_its_target(monkeypatch, capsys):
+    """``--loss MODULE:FN`` with a factory's (model, sample, target): plan
+    gets both; a loss without a target, or a factory's target without
+    ``--loss``, as the help says."""
+    import fastpipe._plan
+    from fastpipe._cli import main
+    from tests.models import lm_loss
+
+    seen = {}
+    real = fastpipe._plan.plan
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fastpipe._plan, "plan", spy)
+    assert main(["plan", "--model", "tests.models:gpt_lm", "--loss", "tests.models:lm_loss",
+                 "--top", "3"]) == 0
+    assert seen["loss_fn"] is lm_loss and seen["target"].shape == (8, 8)
+    assert "with tests.models:lm_loss" in capsys.readouterr().out
+    assert main(["plan", "--model", "tests.models:gpt_lm", "--top", "1"]) == 0
+    assert seen["loss_fn"] is None and seen["target"] is None  # no --loss: the loss left out
+    for argv, message in [
+        (["--model", "tests.models:mlp_deep", "--input-shape", "16,5", "--loss",
+          "tests.models:lm_loss"], "--loss needs a target"),
+        (["--model", "tests.models:gpt_lm", "--loss", "lm_loss"], "MODULE:FN"),
+        (["--model", "tests.models:gpt_lm", "--loss", "tests.models:HF_VOCAB"], "not a function"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", *argv])
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
+
+
 def test_balance_for_a_v_is_no_slower_than_even_stages_or_even_ranks():
     """``balance_for`` simulates the schedule: its split's step is at most
     the shorter of even stages and even ranks, and one stage per rank is the
