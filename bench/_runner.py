@@ -68,10 +68,27 @@ def workload_parser(prog: str, doc: str | None, schedules: list[str]):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(schedules))
+    parser.add_argument("--balance", action="append", type=_split, metavar="SCHEDULE=N,N,...",
+                        help="layers per stage for SCHEDULE, in place of the split from the "
+                             "profile (both libraries run it; may be given once per schedule)")
     parser.add_argument("--built-in-order", action="store_true",
                         help="run fastpipe's zero-bubble schedules in their built-in order (a "
                              "Schedule), not the order each Pipe picks for its measured step")
     return parser
+
+
+def _split(text: str) -> tuple[str, tuple[int, ...]]:
+    """``zbv=3,1,2,2`` -> ("zbv", (3, 1, 2, 2))."""
+    import argparse
+
+    name, _, counts = text.partition("=")
+    try:
+        split = tuple(int(n) for n in counts.split(","))
+    except ValueError:
+        split = ()
+    if not name or not split or min(split) < 1:
+        raise argparse.ArgumentTypeError(f"expected SCHEDULE=N,N,... (e.g. zbv=3,1,2,2), got {text!r}")
+    return name, split
 
 
 @contextlib.contextmanager

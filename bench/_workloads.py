@@ -40,6 +40,9 @@ class Workload:
     batch: int
     chunks: int
     blocks_set: bool = False  # blocks set by --blocks: the name says how many
+    # Splits set by --balance, (schedule name, layers per stage) pairs: run
+    # in place of the profiled ones (in the parent, which hands them on).
+    splits: tuple = ()
 
     @property
     def name(self) -> str:
@@ -100,7 +103,8 @@ class Workload:
         run one split."""
         from fastpipe._plan import balance_for
 
-        return balance_for(_profile(self.name), schedule)
+        given = dict(self.splits).get(schedule.name)
+        return list(given) if given is not None else balance_for(_profile(self.name), schedule)
 
     def sequential_step(self) -> Callable[[], None]:
         """fwd+bwd of the unsplit model over the same microbatches."""
@@ -190,9 +194,12 @@ def _profile(name: str):
 def selected(args) -> list[Workload]:
     """The workloads ``--model`` and ``--workload`` ask for, GPT first;
     ``--blocks N`` (where the command has it) gives the transformers N
-    blocks instead of their own count (the MLPs keep theirs)."""
+    blocks instead of their own count (the MLPs keep theirs); ``--balance
+    SCHEDULE=N,...`` sets that schedule's split on every one of them."""
     models = MODELS if args.model == "both" else [args.model]  # HF_MODELS only by name
     sizes = ["compute", "overhead"] if args.workload == "both" else [args.workload]
     blocks = getattr(args, "blocks", None)
-    return [workload(f"{m}-{s}@{blocks}" if blocks is not None and m != "mlp" else f"{m}-{s}")
-            for m in models for s in sizes]
+    chosen = [workload(f"{m}-{s}@{blocks}" if blocks is not None and m != "mlp" else f"{m}-{s}")
+              for m in models for s in sizes]
+    splits = tuple(getattr(args, "balance", None) or ())  # --balance
+    return [dataclasses.replace(w, splits=splits) for w in chosen] if splits else chosen

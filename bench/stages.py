@@ -69,6 +69,8 @@ def _rank_main(rank, world, init, queue, name, repeats, warmup):
 def main(argv=None) -> int:
     parser = workload_parser("python -m bench stages", __doc__, [])
     args = parser.parse_args(argv)
+    if args.balance:
+        parser.error("bench stages splits the layers in halves itself: --balance does not apply")
     for w in selected(args):
         runs = spawn(1, _rank_main, w.name, args.repeats, args.warmup)[0]
         print(f"\n{w.name}: {w.describe()}, one gloo rank x 1 thread; medians of {args.repeats} "

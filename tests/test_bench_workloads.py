@@ -29,3 +29,17 @@ def test_blocks_deepen_the_transformers_only():
 def test_no_blocks_is_refused_by_name():
     with pytest.raises(ValueError, match="at least one block, got 0"):
         selected(argparse.Namespace(model="gpt", workload="overhead", blocks=0))
+
+
+def test_a_given_split_replaces_the_profiled_one_for_its_schedule_only():
+    from bench._runner import workload_parser
+    from fastpipe.schedules import build
+
+    args = workload_parser("bench", None, ["zbv"]).parse_args(
+        ["--model", "gpt", "--workload", "overhead", "--balance", "zbv=3,1,2,2"])
+    (w,) = selected(args)
+    assert w.balance(build("zbv", 2, w.chunks, stages_per_rank=2)) == [3, 1, 2, 2]
+    assert dict(w.splits) == {"zbv": (3, 1, 2, 2)}  # others (1f1b here) keep the profiled split
+    for bad in ("zbv", "zbv=", "zbv=3,x", "zbv=0,4", "=4,4"):
+        with pytest.raises(SystemExit):
+            workload_parser("bench", None, ["zbv"]).parse_args(["--balance", bad])
