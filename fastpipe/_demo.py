@@ -18,14 +18,14 @@ __all__ = ["run"]
 
 
 def _compare_schedules(ranks: int = 4, microbatches: int = 8) -> None:
-    import argparse
-
-    from fastpipe._cli import _run_compare
+    from fastpipe._cli import build_parser
 
     print(f"simulated schedules, {ranks} ranks x {microbatches} microbatches "
           "(per rank F=1, B=2, I=W=1, split evenly over its stages):")
-    args = argparse.Namespace(ranks=ranks, microbatches=microbatches, stages_per_rank=None, costs=None)
-    _run_compare(args)
+    # `fastpipe simulate --compare` as the shell runs it: every option has its default.
+    args = build_parser().parse_args(["simulate", "--compare", "--ranks", str(ranks),
+                                      "--microbatches", str(microbatches)])
+    args.run(args)
 
 
 def _bar(done: int, total: int, width: int = 28) -> str:

@@ -96,3 +96,15 @@ def test_the_demo_progress_is_plain_lines_off_a_terminal():
     assert log.getvalue().splitlines()[0] == "  step 2/20 loss 0.500"
     assert len(log.getvalue().splitlines()) == 10
     assert tty.getvalue().count("\r") == 20 and tty.getvalue().endswith("\n")
+
+
+def test_the_demo_runs_end_to_end(tmp_path):
+    """``make demo`` is the README's first command: the schedule comparison
+    (the shell's ``simulate --compare``), then 25 steps on two gloo ranks,
+    then the recorded step's trace."""
+    done = subprocess.run([sys.executable, "-m", "fastpipe", "demo"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "zbv" in done.stdout and "makespan" in done.stdout
+    assert "over 25 steps" in done.stdout
+    assert (tmp_path / "out" / "demo_trace.json").stat().st_size > 0
