@@ -5,6 +5,8 @@
                          where a rank runs several stages (balance_for)
                zero-bubble: also ordered by the stage costs  ──► the faster order
                simulate the schedule with the stage costs  ──► step time, bubble
+                 (as the executor runs them: B is I and a share of W, which
+                 each stage's queue gathers over microbatches: _cost_fn)
                walk each rank's actions                     ──► peak memory
                over ``memory_limit``: the nearest split that fits (_refit)
              ──► fastest candidate whose every rank fits ``memory_limit``
@@ -126,15 +128,21 @@ def _chunk_options(batch: int, ranks: int) -> list[int]:
 
 
 def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]:
-    sums = {"F": [], "B": [], "I": [], "W": [], "act": [], "param": [], "input": [], "weight": [],
-            "rows": [], "limit": []}
+    """Per stage: the profile's sums of its layers' times (one microbatch)
+    and bytes, and what its W queue gathers (``rows``, ``limit``), with the
+    part of W's time that does not grow with rows (``W fixed``, from the
+    profile's two-size fit; 0 without one): what gathering saves. No B: the
+    executor's B is I and W (``_cost_fn``), not autograd's backward."""
+    sums = {"F": [], "I": [], "W": [], "W fixed": [], "act": [], "param": [],
+            "input": [], "weight": [], "rows": [], "limit": []}
     start = 0
     for n in balance:
         layers = prof.layers[start : start + n]
         sums["F"].append(sum(x.forward for x in layers))
-        sums["B"].append(sum(x.backward for x in layers))
         sums["I"].append(sum(x.input_backward for x in layers))
         sums["W"].append(sum(x.weight_backward for x in layers))
+        fixed = sum(f["weight_backward"][0] for f in prof.fits[start : start + n]) if prof.fits else 0.0
+        sums["W fixed"].append(min(max(fixed, 0.0), sums["W"][-1]))
         # A tensor two neighbours save is one within a stage; at its first
         # layer it is a received copy of its own.
         sums["act"].append(sum(x.activation_bytes for x in layers)
@@ -156,10 +164,23 @@ def stage_sizes(sums) -> list[tuple[float, float]]:
 
 
 def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: float):
-    """Per-action seconds; a checkpointed microbatch pays its forward again in B or I,
-    and an action that sends to or receives from another rank pays ``transfer_cost``
-    per message on its own thread (packing, posting, unpacking)."""
+    """Per-action seconds, as the executor runs the actions (``fused_wgrad``,
+    the default): a B is I, then its W queued, and a W action queues it too;
+    a stage's queue runs its W work once per ``g`` microbatches (the first
+    whose rows reach its limit, ``deferred.WeightQueue``) and at the step's
+    end, so each B or W pays its share of W: the part that grows with rows,
+    and the fixed part (a pass over the weight's gradient) once per run. A
+    checkpointed microbatch pays its forward again in B or I, and an action
+    that sends to or receives from another rank pays ``transfer_cost`` per
+    message on its own thread (packing, posting, unpacking)."""
     owner = schedule.stage_to_rank
+    weight = []  # W's share per microbatch, per stage
+    for w, fixed, rows, limit in zip(sums["W"], sums["W fixed"], sums["rows"], sums["limit"]):
+        g = -(-limit // rows) if rows and limit else 1  # microbatches per run of the queue
+        runs = -(-chunks // max(g, 1))
+        weight.append(w - fixed + fixed * runs / chunks)
+    per_kind = {"F": sums["F"], "I": sums["I"], "W": weight,
+                "B": [i + w for i, w in zip(sums["I"], weight)]}
 
     def crossings(a: Action) -> int:
         if a.kind is Kind.F:
@@ -171,7 +192,7 @@ def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: fl
         return sum(0 <= s < schedule.stages and owner[s] != owner[a.stage] for s in ends)
 
     def cost(a: Action) -> float:
-        base = sums[a.kind.value][a.stage] + transfer_cost * crossings(a)
+        base = per_kind[a.kind.value][a.stage] + transfer_cost * crossings(a)
         if a.kind in (Kind.B, Kind.I) and checkpointed(mode, a.microbatch, chunks):
             base += sums["F"][a.stage]
         return base
@@ -189,7 +210,7 @@ def balance_for(prof: Profile, schedule: Schedule, speeds: Sequence[float] | Non
     answer: a V puts the embedding and the head (first and last stage) on one
     rank, so even stages leave the other rank more blocks, and evening the
     ranks can make the last stage long, which the V's turn waits on. So the
-    two partitions are simulated (the profile's F, B, I and W sums per
+    two partitions are simulated (the profile's F, I and W sums per
     stage) and the faster is improved by moving one cut a layer at a time
     while the simulated step gets shorter.
 

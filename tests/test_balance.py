@@ -542,6 +542,38 @@ def test_plan_cli_passes_the_loss_and_its_target(monkeypatch, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_the_cost_model_runs_b_as_i_and_a_gathered_w():
+    """As the executor runs them (``fused_wgrad``): a B costs I and its share
+    of W, not autograd's backward; a stage's W queue runs once per
+    ``ceil(limit / rows)`` microbatches, so each B or W pays the part of W
+    that grows with rows and the fixed part once per run; a queue that does
+    not gather pays all of W every microbatch."""
+    from fastpipe._plan import _cost_fn, _stage_sums
+    from fastpipe.balance import LayerProfile, Profile
+    from fastpipe.schedules import Action, Kind, build
+
+    def layer(rows, limit):
+        return LayerProfile(forward=1.0, backward=9.0, input_backward=2.0, weight_backward=1.5,
+                            param_bytes=0, activation_bytes=0, output_bytes=0,
+                            gather_rows=rows, gather_limit=limit)
+
+    fit = {"forward": (0.0, 1.0), "backward": (0.0, 9.0), "input_backward": (0.0, 2.0),
+           "weight_backward": (1.0, 0.5)}  # W: 1.0 fixed, 0.5 a row (1 row here)
+    sched = build("1f1b", 2, 8)
+    gathers = Profile((layer(16, 64), layer(16, 64)), rows=1, device="cpu", fits=(fit, fit))
+    cost = _cost_fn(_stage_sums(gathers, [1, 1]), "never", 8, sched, 0.0)
+    share = 0.5 + 1.0 * 2 / 8  # 4 microbatches a run: 2 runs in 8
+    assert cost(Action(0, Kind.F, 3)) == 1.0
+    assert cost(Action(0, Kind.B, 3)) == pytest.approx(2.0 + share)
+    assert cost(Action(1, Kind.W, 0)) == pytest.approx(share)
+    at_once = Profile((layer(0, 0), layer(0, 0)), rows=1, device="cpu", fits=(fit, fit))
+    cost = _cost_fn(_stage_sums(at_once, [1, 1]), "never", 8, sched, 0.0)
+    assert cost(Action(0, Kind.B, 3)) == pytest.approx(3.5)
+    unfitted = Profile((layer(16, 64), layer(16, 64)), rows=1, device="cpu")
+    cost = _cost_fn(_stage_sums(unfitted, [1, 1]), "never", 8, sched, 0.0)
+    assert cost(Action(0, Kind.B, 3)) == pytest.approx(3.5)  # no fit: no fixed part known
+
+
 def test_balance_for_a_v_is_no_slower_than_even_stages_or_even_ranks():
     """``balance_for`` simulates the schedule: its split's step is at most
     the shorter of even stages and even ranks, and one stage per rank is the
