@@ -163,24 +163,33 @@ def stage_sizes(sums) -> list[tuple[float, float]]:
     return list(zip(sums["act"], sums["weight"]))
 
 
-def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: float):
-    """Per-action seconds, as the executor runs the actions (``fused_wgrad``,
-    the default): a B is I, then its W queued, and a W action queues it too;
-    a stage's queue runs its W work once per ``g`` microbatches (the first
-    whose rows reach its limit, ``deferred.WeightQueue``) and at the step's
-    end, so each B or W pays its share of W: the part that grows with rows,
-    and the fixed part (a pass over the weight's gradient) once per run. A
-    checkpointed microbatch pays its forward again in B or I, and an action
-    that sends to or receives from another rank pays ``transfer_cost`` per
-    message on its own thread (packing, posting, unpacking)."""
-    owner = schedule.stage_to_rank
-    weight = []  # W's share per microbatch, per stage
+def _executed(sums, chunks: int) -> dict[str, list[float]]:
+    """Per stage, what each F, I, W and B costs as the executor runs them
+    (``fused_wgrad``, the default) from a profile's ``_stage_sums``: a B is
+    I, then its W queued, and a W action queues it too; a stage's queue runs
+    its W work once per ``g`` microbatches (the first whose rows reach its
+    limit, ``deferred.WeightQueue``) and at the step's end, so each B or W
+    pays its share of W: the part that grows with rows, and the fixed part
+    (a pass over the weight's gradient) once per run."""
+    weight = []
     for w, fixed, rows, limit in zip(sums["W"], sums["W fixed"], sums["rows"], sums["limit"]):
         g = -(-limit // rows) if rows and limit else 1  # microbatches per run of the queue
         runs = -(-chunks // max(g, 1))
         weight.append(w - fixed + fixed * runs / chunks)
-    per_kind = {"F": sums["F"], "I": sums["I"], "W": weight,
-                "B": [i + w for i, w in zip(sums["I"], weight)]}
+    return {"F": sums["F"], "I": sums["I"], "W": weight,
+            "B": [i + w for i, w in zip(sums["I"], weight)]}
+
+
+def _cost_fn(sums, mode: str, chunks: int, schedule: Schedule, transfer_cost: float):
+    """Per-action seconds: from a profile's ``_stage_sums`` as the executor
+    runs them (``_executed``), or from measured seconds per kind and stage,
+    as given (a B not given costs I + W). A checkpointed microbatch pays its
+    forward again in B or I, and an action that sends to or receives from
+    another rank pays ``transfer_cost`` per message on its own thread
+    (packing, posting, unpacking)."""
+    owner = schedule.stage_to_rank
+    per_kind = _executed(sums, chunks) if "W fixed" in sums else \
+        {"B": [i + w for i, w in zip(sums.get("I", ()), sums.get("W", ()))], **sums}
 
     def crossings(a: Action) -> int:
         if a.kind is Kind.F:
