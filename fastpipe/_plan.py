@@ -6,7 +6,7 @@
                zero-bubble: also ordered by the stage costs  ──► the faster order
                simulate the schedule with the stage costs  ──► step time, bubble
                  (as the executor runs them: B is I and a share of W, which
-                 each stage's queue gathers over microbatches: _cost_fn)
+                 each stage's queue gathers over microbatches: _executed)
                walk each rank's actions                     ──► peak memory
                over ``memory_limit``: the nearest split that fits (_refit)
              ──► fastest candidate whose every rank fits ``memory_limit``
@@ -132,7 +132,7 @@ def _stage_sums(prof: Profile, balance: Sequence[int]) -> dict[str, list[float]]
     and bytes, and what its W queue gathers (``rows``, ``limit``), with the
     part of W's time that does not grow with rows (``W fixed``, from the
     profile's two-size fit; 0 without one): what gathering saves. No B: the
-    executor's B is I and W (``_cost_fn``), not autograd's backward."""
+    executor's B is I and W (``_executed``), not autograd's backward."""
     sums = {"F": [], "I": [], "W": [], "W fixed": [], "act": [], "param": [],
             "input": [], "weight": [], "rows": [], "limit": []}
     start = 0
