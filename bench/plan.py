@@ -23,10 +23,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from bench._runner import round_robin_medians, spawn
 from bench._workloads import workload
+from fastpipe._microbatch import flatten
 
 GRID_SCHEDULES = ["1f1b", "zb-h1", "interleaved-1f1b", "zbv"]
 GRID_CHUNKS = [4, 8, 16]
@@ -47,7 +47,7 @@ def _latency(rank: int, rounds: int = 50) -> float:
     return (time.perf_counter() - t0) / rounds / 2
 
 
-def _transfer_cost(rank: int, boundary: torch.Tensor, rounds: int = 50) -> float:
+def _transfer_cost(rank: int, boundary: list[torch.Tensor], rounds: int = 50) -> float:
     """Seconds a rank's thread spends per message of a boundary's size: pack and
     isend on one end, wait and unpack on the other (fastpipe's own path).
 
@@ -59,8 +59,9 @@ def _transfer_cost(rank: int, boundary: torch.Tensor, rounds: int = 50) -> float
     the wait's bookkeeping and the unpack are timed."""
     from fastpipe import pack, unpack
 
-    x = torch.randn_like(boundary)
-    flat, layout = pack([x])
+    xs = [torch.randn_like(t) if t.is_floating_point() else t.clone() for t in boundary]
+    flat, layout = pack(xs)
+    x = max(xs, key=torch.Tensor.numel)  # the compute between messages: the boundary's width
     width = x.shape[-1]
     a, w = torch.randn(x.numel() // width, 4 * width), torch.randn(4 * width, 4 * width)
     dist.barrier()
@@ -70,7 +71,7 @@ def _transfer_cost(rank: int, boundary: torch.Tensor, rounds: int = 50) -> float
             a @ w
         t0 = time.perf_counter()
         if rank == 0:
-            buf, _ = pack([x], out=flat)
+            buf, _ = pack(xs, out=flat)
             works.append(dist.isend(buf, 1))
         else:
             work = dist.irecv(flat, 0)
@@ -98,7 +99,7 @@ def _rank_main(rank, world, init, queue, name, repeats):
     try:
         latency = _latency(rank)
         with torch.no_grad():  # what crosses a boundary at the chunks the workload runs
-            boundary = model[0](x[: w.batch // w.chunks])
+            boundary, _ = flatten(model[0](x[: w.batch // w.chunks]))
         transfer = _transfer_cost(rank, boundary)
         dist.barrier()
         prof = profile(model, x, chunks=max(chunks), fit_rows=w.batch // min(chunks),
@@ -134,6 +135,11 @@ def main(argv=None) -> int:
                         help="workload names (bench._workloads), comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    for name in args.workload.split(","):
+        try:
+            workload(name)
+        except (KeyError, ValueError):
+            parser.error(f"unknown workload {name!r} (bench._workloads.WORKLOADS)")
     for name in args.workload.split(","):
         _report(name, *spawn(2, _rank_main, name, args.repeats)[0])
     return 0
