@@ -41,15 +41,25 @@ def round_robin_medians(fns: dict, warmup: int, rounds: int, sync: Callable[[], 
     workload runs on caches and pages that workload left (a local 1F1B step
     right after torchgpipe's took 27-31 ms against 20 ms once settled, and
     which row came after torchgpipe decided whose median it spoiled), which
-    a training loop running one pipeline step after step never sees.
+    a training loop running one pipeline step after step never sees. What
+    a turn leaves the next lasts longer than that on some pairs (a Pipe
+    right after another library's runner ran a few per cent slower than the
+    same list elsewhere in the round), so each round takes the callables in
+    an order of its own: a shuffle seeded by the round, the same on every
+    rank.
     """
+    import random
+
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(median_time(fn, settle, per_round, sync))
+    names = list(fns)
+    for r in range(rounds):
+        order = names[:]
+        random.Random(r).shuffle(order)
+        for name in order:
+            times[name].append(median_time(fns[name], settle, per_round, sync))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
