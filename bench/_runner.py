@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -48,8 +49,6 @@ def round_robin_medians(fns: dict, warmup: int, rounds: int, sync: Callable[[], 
     an order of its own: a shuffle seeded by the round, the same on every
     rank.
     """
-    import random
-
     for fn in fns.values():
         for _ in range(warmup):
             fn()
