@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# The device check, on a machine with one CUDA GPU (150 s on an H200, 23 s of
-# it the build, before fastpipe._chain was built there too): build fastpipe's
-# extensions there (with the CUDA backend), run the native ring's tests, then
-# every CUDA figure and check in
-# bench/gpu_check.py (ring, a 2-rank local pipeline on cuda:0, gradients of
-# every schedule on the GPU, packing, Triton kernels, selective recompute,
-# Pipes rebuilt over one model, a 200-step soak).
+# The device check, on a machine with one CUDA GPU: build fastpipe's
+# extensions there (with the CUDA backend and fastpipe._chain), run the native
+# ring's tests, then every CUDA figure and check in bench/gpu_check.py (ring,
+# Pipes rebuilt over one model, packing, a 200-step soak, the GPT's step times
+# and memory on 2 local ranks on cuda:0, gradients of every schedule on the
+# GPU, Triton kernels, a 2-rank local MLP pipeline, selective recompute).
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
 #   SECTIONS="ring local" bash bench/gpu_check.sh
+#   BUDGET=600 bash bench/gpu_check.sh # seconds for the whole check (290)
 #
 # Each section runs in a process of its own under a time limit, so a section
 # that hangs or crashes costs only itself: on its deadline it prints every
-# thread's stack and ends, and the next section starts. With OUT set, the
-# build log, the whole output and each section's figures (JSON) go there.
-# The exit status is non-zero when the build, the ring tests or any check
-# failed.
+# thread's stack and ends, and the next section starts. The whole check ends
+# within BUDGET seconds of its start: a section's limit is cut to what is
+# left, a section with under 20 s left is skipped (the status is then
+# non-zero), and the default order runs first what no CPU can show (streams
+# across rebuilt Pipes, packing at copy bandwidth, the soak), then the GPT.
+# With OUT set, the build log, the whole output and each section's figures
+# (JSON) go there. The exit status is non-zero when the build, the ring tests
+# or any check failed, or a section was skipped.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-SECTIONS=${SECTIONS:-"ring gpt local grads pack kernels recompute rebuild soak"}
+SECTIONS=${SECTIONS:-"ring rebuild pack soak gpt grads kernels local recompute"}
+BUDGET=${BUDGET:-290}
 LOG=${OUT:-/tmp}/gpu_check_build.log
 status=0
 t_start=$(date +%s)
@@ -77,7 +82,10 @@ echo "CXX=${CXX:-} LDFLAGS=${LDFLAGS:-}"
 echo "  (build done at $(( $(date +%s) - t_start )) s)"
 
 echo "== ring tests (host lanes, buffer ring, CUDA streams and events)"
-timeout -k 5 90 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_host_ring.py tests/test_buffer_ring.py \
+left() { echo $(( BUDGET - ($(date +%s) - t_start) )); }
+ring_limit=$(( $(left) < 90 ? $(left) : 90 ))
+[ "$ring_limit" -lt 10 ] && ring_limit=10
+timeout -k 5 "$ring_limit" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_host_ring.py tests/test_buffer_ring.py \
     || status=1
 echo "  (ring tests done at $(( $(date +%s) - t_start )) s)"
 
@@ -86,6 +94,13 @@ declare -A LIMIT=([ring]=30 [gpt]=160 [local]=140 [grads]=45 [pack]=45 [kernels]
               [rebuild]=60 [soak]=90)
 for section in $SECTIONS; do
     limit=${LIMIT[$section]:-60}
+    room=$(( $(left) - 15 ))  # the kill's grace and the next line's print
+    if [ "$room" -lt 20 ]; then
+        echo "== $section skipped: $(left) s left of BUDGET=$BUDGET"
+        status=1
+        continue
+    fi
+    [ "$room" -lt "$limit" ] && limit=$room
     timeout -k 5 $((limit + 10)) "$PY" -m bench.gpu_check --sections "$section" --deadline "$limit" \
         ${OUT:+--out "$OUT/gpu_check_$section.json"} || status=1
     echo "  ($section done at $(( $(date +%s) - t_start )) s)"
