@@ -122,8 +122,15 @@ class GradAverage:
             flat = torch.cat([*(p.grad.reshape(-1).to(self.device) if h
                                 else torch.zeros(p.numel(), dtype=p.dtype, device=self.device)
                                 for p, h in zip(bucket, has)),
-                              torch.tensor(has, dtype=bucket[0].dtype, device=self.device)])
+                              self._flags(has, bucket[0].dtype)])
             self._work.append((started(dist.all_reduce(flat, group=self.group, async_op=True)), flat, bucket))
+
+    def _flags(self, has: list[bool], dtype: torch.dtype) -> torch.Tensor:
+        """``has`` as a tensor on the device, without blocking the host: this
+        runs mid-step on the rank's thread, and a copy from pageable memory
+        would wait for its stream to drain."""
+        flags = torch.tensor(has, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return flags.to(self.device, non_blocking=True)
 
     def _finish(self, copy: bool) -> None:
         work, self._work = self._work, []

@@ -14,7 +14,7 @@ import torch
 
 __all__ = [
     "Spec", "TENSOR", "Value", "batch_size", "flatten", "gather", "needs_grad", "split",
-    "unflatten",
+    "to_device", "unflatten",
 ]
 
 Value = Any  # a tensor or a tuple of tensors: what one layer passes the next
@@ -44,6 +44,30 @@ def split(batch: Value, chunks: int) -> list[Value]:
     raise TypeError(
         f"expected a tensor or a non-empty tuple of tensors, got {type(batch).__name__}"
     )
+
+
+def to_device(batch: Value, device: torch.device) -> Value:
+    """``batch``'s tensors on ``device`` (the rest as they are), once for the
+    whole batch on the caller's thread and stream.
+
+    Why here: a blocking copy from host memory to a GPU waits for the stream
+    to drain, and a rank's thread moving each microbatch would stall its
+    stream's queue every time. From pageable memory the copy is queued
+    without blocking: CUDA stages pageable memory before the call returns, so
+    the caller may change its tensor at once. Pinned memory is copied as
+    ``.to()`` copies it (the copy could otherwise still read it after the
+    step returned).
+    """
+    if isinstance(batch, torch.Tensor):
+        return _moved(batch, device)
+    if isinstance(batch, tuple):
+        return tuple(_moved(t, device) if isinstance(t, torch.Tensor) else t for t in batch)
+    return batch
+
+
+def _moved(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    staged = device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned()
+    return t.to(device, non_blocking=staged)
 
 
 def _check_rows(rows: int, chunks: int) -> None:

@@ -545,10 +545,11 @@ class Pipe(nn.Module):
         owners = self.schedule.stage_to_rank
         holds_first = not self.distributed or self.rank == owners[0]
         holds_last = not self.distributed or self.rank == owners[-1]
-        inputs = _args.named_split("x", x, self.chunks) if holds_first else None
+        first, last = self.devices[owners[0]], self.devices[owners[-1]]
+        inputs = _args.named_split("x", mbatch.to_device(x, first), self.chunks) if holds_first else None
         targets = None
         if target is not None and holds_last:
-            targets = _args.named_split("target", target, self.chunks)
+            targets = _args.named_split("target", mbatch.to_device(target, last), self.chunks)
             if holds_first and mbatch.batch_size(target) != mbatch.batch_size(x):
                 raise ValueError(
                     f"x and target have different batch sizes: {mbatch.batch_size(x)} and "

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fastpipe._microbatch import TENSOR, needs_grad
+from fastpipe._microbatch import TENSOR, needs_grad, to_device
 from fastpipe.runtime import deferred
 from fastpipe.runtime._backward import backward_full
 from tests.models import mlp, tuple_model
@@ -310,3 +310,13 @@ def test_stage_output_is_freed_once_sent(fused):
     ex.run(inputs, None, None, train=True)
     assert alive_at_backward == [False, False]
     assert layer.weight.grad is not None
+
+
+def test_a_batch_moves_to_the_device_as_a_whole_with_its_structure():
+    """Pipe.step moves x and target once, on the caller's thread
+    (``to_device``): tensors move, other tuple members stay as they are."""
+    x, mask = torch.randn(4, 3), torch.ones(4, dtype=torch.bool)
+    moved = to_device((x, mask, 7), torch.device("meta"))
+    assert [type(v) for v in moved] == [torch.Tensor, torch.Tensor, int] and moved[2] == 7
+    assert all(v.device.type == "meta" for v in moved[:2]) and moved[1].dtype == torch.bool
+    assert to_device(x, torch.device("cpu")) is x and to_device([x], torch.device("meta")) == [x]

@@ -161,6 +161,20 @@ def copy_slots(actions: Sequence[Sequence[Action]]) -> dict[Stream, int]:
     return slots
 
 
+def _allocated_on(device: torch.device):
+    """An event after the work so far on the stream a buffer just allocated
+    on ``device`` belongs to (this thread's current one there). torch's
+    allocator may hand out a block freed on that stream while that stream's
+    kernels still read it; a writer on another stream (a copy lane, perhaps
+    another GPU's) must wait for this event first."""
+    from fastpipe._ext import native
+
+    with torch.cuda.device(device):  # the event, and handle 0 (the default stream), are per device
+        event = native().CudaEvent()
+        event.record_handle(torch.cuda.current_stream(device).cuda_stream)
+    return event
+
+
 class BufferRing:
     """Byte buffers of one stream on one device, handed out by a native ``SlotRing``.
 
@@ -169,9 +183,13 @@ class BufferRing:
         device: where the buffers live.
         growable: add a slot instead of waiting when none is free (send side).
         timeout: seconds a bounded ring waits for a slot before TimeoutError.
+        fenced: writers run on streams of their own (local copy lanes): a
+            fresh CUDA buffer's first writer waits for the stream it was
+            allocated on (``fence_of``).
     """
 
-    def __init__(self, slots: int, device: torch.device, growable: bool, timeout: float) -> None:
+    def __init__(self, slots: int, device: torch.device, growable: bool, timeout: float,
+                 fenced: bool = False) -> None:
         from fastpipe._ext import native
 
         self._slots = native().SlotRing(slots, growable)
@@ -179,7 +197,7 @@ class BufferRing:
         self._device_fences: dict[int, object] = {}  # slot -> CudaEvent its next writer waits on
         self._host_event = native().Event
         self.device = device
-        self.timeout = timeout
+        self.timeout, self.fenced = timeout, fenced
         self.allocations = 0  # buffers created or enlarged: flat in steady state
 
     def get(self, nbytes: int) -> tuple[int, torch.Tensor]:
@@ -197,6 +215,8 @@ class BufferRing:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[slot] = buf
             self.allocations += 1
+            if self.fenced and buf.is_cuda:
+                self._device_fences[slot] = _allocated_on(buf.device)
         return slot, buf[:nbytes]
 
     def put(self, slot: int, fence=None) -> None:

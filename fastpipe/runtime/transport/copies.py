@@ -49,7 +49,7 @@ class ReceiveRings:
                 ring = self._rings.get(stream)
                 if ring is None:
                     ring = BufferRing(self.sizes.get(stream, 1), device, growable=True,
-                                      timeout=self.timeout)
+                                      timeout=self.timeout, fenced=True)
                     self._rings[stream] = ring
         return ring
 
@@ -74,7 +74,16 @@ class _CopyRecv(SlotReceive):
         return views, spec, self._held
 
     def _hand_back(self, ring: BufferRing, slot: int) -> None:
-        """The stage is done with the views: the slot's next writer waits for this point."""
+        """The stage is done with the views: the slot's next writer waits for this point.
+
+        A forward value the stage passed on unchanged (a mask) was sent as a
+        view of the slot, read by a copy on this rank's copy lane, which this
+        fence does not cover. It need not: in training the slot is handed
+        back at the stage's B, which comes after the next stage's F waited
+        for that copy; a forward-only pass starts with a slot for every
+        microbatch (``copy_slots``), so no slot is reused within it. (The
+        input gradients a B sends are tensors autograd made, never views of
+        the slot it received.)"""
         ring.put(slot, self.lanes.record())
 
 
@@ -126,9 +135,12 @@ class CopyTransport(LocalTransport):
         return _CopyRecv(self.mailbox, key, self.timeout, self.device_lanes)
 
     def finish(self) -> None:
+        """Step end: the compute lane waits for the step's copies, then their
+        sources go (on a GPU the host does not block: a block those sources
+        free is reused only by later work on the compute stream)."""
         inflight, self._inflight = self._inflight, deque()
         for done, _ in inflight:
-            self.device_lanes.synchronize(done)
+            self.device_lanes.wait(done)
 
     def fail(self, exc: BaseException, unsent: Iterable[tuple[Key, int]] = ()) -> None:
         self.mailbox.fail(self.rank, exc)
