@@ -43,6 +43,9 @@ Sections:
              parameter and input gradients against the unsplit model's, plain
              and with checkpoint="always".
   recompute  selective recompute on CUDA: saved bytes and time ratio.
+  syncs      no host synchronisation inside a step (1f1b, zb-h2, zbv; a
+             GPT on 2 ranks of cuda:0 fed host tensors, bf16 autocast):
+             torch's sync debug mode counts none.
   rebuild    Pipes built, stepped and dropped over one model on cuda:0 (1f1b,
              zbv, gpipe; a failed step, then a new Pipe; SGD steps between):
              every step's gradients against the unsplit model's, for a GPT
@@ -613,6 +616,46 @@ def section_grads() -> None:
                   diff < 1e-10, f"max abs diff {diff:.1e}")
 
 
+# --- syncs ------------------------------------------------------------------------
+
+def section_syncs() -> None:
+    """No host synchronisation inside a step: the host queues a step's work
+    ahead of the GPU (what launch-bound sizes live on). A GPT on two ranks of
+    cuda:0, its batch and targets on the host as a DataLoader gives them,
+    bf16 autocast; after a warm-up step, a step under torch's sync debug
+    mode, whose warnings are counted (any rank's thread)."""
+    import warnings
+
+    from fastpipe import Pipe
+    from tests.models import gpt, gpt_batch, lm_loss
+
+    devices = [DEV, DEV] if DEV == "cpu" else ["cuda:0", "cuda:0"]
+    sizes = dict(vocab=64, d=32, heads=2, blocks=4, seq=16)
+    ids, tg = gpt_batch(16, sizes["vocab"], sizes["seq"])  # on the host
+    for schedule in ("1f1b", "zb-h2", "zbv"):
+        model = gpt(dtype=torch.float32, **sizes).to(DEV)
+        pipe = Pipe(model, chunks=4, schedule=schedule, devices=devices,
+                    stages_per_rank=2 if schedule == "zbv" else None)
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            for _ in range(3):  # the third step runs the order the second one measured
+                pipe.step(ids, tg, lm_loss)
+            _sync()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                if DEV == "cuda":
+                    torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    pipe.step(ids, tg, lm_loss)
+                finally:
+                    if DEV == "cuda":
+                        torch.cuda.set_sync_debug_mode("default")
+        _sync()
+        pipe.close()
+        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+        check(f"{schedule}: a step from host tensors synchronizes the host with the GPU nowhere",
+              not syncs, f"{len(syncs)} synchronizing calls" + (f", first: {syncs[0]}" if syncs else ""))
+
+
 # --- recompute --------------------------------------------------------------------
 
 
@@ -772,7 +815,7 @@ def section_soak() -> None:
 
 SECTIONS = {"ring": section_ring, "gpt": section_gpt, "local": section_local, "grads": section_grads, "pack": section_pack,
             "kernels": section_kernels, "recompute": section_recompute, "rebuild": section_rebuild,
-            "soak": section_soak}
+            "soak": section_soak, "syncs": section_syncs}
 
 
 def main(argv=None) -> int:

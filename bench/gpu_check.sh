@@ -2,7 +2,8 @@
 # The device check, on a machine with one CUDA GPU: build fastpipe's
 # extensions there (with the CUDA backend and fastpipe._chain), run the native
 # ring's tests, then every CUDA figure and check in bench/gpu_check.py (ring,
-# Pipes rebuilt over one model, packing, a 200-step soak, the GPT's step times
+# Pipes rebuilt over one model, packing, a 200-step soak, no host sync inside a
+# step, the GPT's step times
 # and memory on 2 local ranks on cuda:0, gradients of every schedule on the
 # GPU, Triton kernels, a 2-rank local MLP pipeline, selective recompute).
 #
@@ -24,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-SECTIONS=${SECTIONS:-"ring rebuild pack soak gpt grads kernels local recompute"}
+SECTIONS=${SECTIONS:-"ring rebuild pack soak syncs gpt grads kernels local recompute"}
 BUDGET=${BUDGET:-290}
 LOG=${OUT:-/tmp}/gpu_check_build.log
 status=0
@@ -91,7 +92,7 @@ echo "  (ring tests done at $(( $(date +%s) - t_start )) s)"
 
 # Seconds each section may take before it dumps its stacks and ends.
 declare -A LIMIT=([ring]=30 [gpt]=160 [local]=140 [grads]=45 [pack]=45 [kernels]=60 [recompute]=30
-              [rebuild]=60 [soak]=90)
+              [rebuild]=60 [soak]=90 [syncs]=30)
 for section in $SECTIONS; do
     limit=${LIMIT[$section]:-60}
     room=$(( $(left) - 15 ))  # the kill's grace and the next line's print
