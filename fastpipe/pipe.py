@@ -349,7 +349,7 @@ class Pipe(nn.Module):
         sums = torch.zeros(stages * len(kinds) + 1, dtype=torch.float64)
         for r in records:
             if r.track == "compute":
-                sums[r.action.stage * len(kinds) + kinds.index(r.action.kind.value)] += r.end - r.start
+                sums[r.action.stage * len(kinds) + kinds.index(r.action.kind.value)] += r.seconds
         sums[-1] = float(torch.are_deterministic_algorithms_enabled())
         if self.distributed:
             self._runner.finish_loss_broadcast()

@@ -126,3 +126,52 @@ def test_deterministic_algorithms_keep_the_order(monkeypatch):
     finally:
         pipe.close()
     assert pipe.schedule is before and calls == []
+
+
+class _FakeEvent:
+    """Stands in for a timing CUDA event: its "device" clock runs at a tenth of the host's."""
+
+    def __init__(self) -> None:
+        import time
+
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: "_FakeEvent") -> float:
+        return (end.t - self.t) * 1e3 / 10  # milliseconds, as torch.cuda.Event's
+
+
+def test_on_a_gpu_the_order_follows_device_times_not_the_hosts(monkeypatch):
+    """On a GPU the host's span of an action is the time to queue it: the
+    measured step times each compute action between events on its stream,
+    and the order is simulated from those (``TimelineRecord.seconds``)."""
+    from fastpipe.runtime.executor import RankExecutor
+
+    monkeypatch.setattr(RankExecutor, "_on_gpu", lambda self: True)
+    monkeypatch.setattr(RankExecutor, "_event", lambda self: _FakeEvent())
+    calls = _spy(monkeypatch, result=None)
+    model = models.gpt()
+    pipe = Pipe(model, chunks=8, schedule="zb-h1", devices=["cpu", "cpu"], balance=[3, 3])
+    try:
+        x, y = models.gpt_batch(16)
+        pipe.step(x, y, models.lm_loss)
+        _, step = pipe.step_with_timeline(x, y, models.lm_loss)  # the measured (second) step
+    finally:
+        pipe.close()
+    compute = [r for r in step.timeline if r.track == "compute"]
+    assert compute and all(r.device is not None for r in compute)
+    assert all(r.device is None for r in step.timeline if r.track == "comm")
+    for r in compute:  # the timeline keeps the host's times (ms); the cost is the device's (s)
+        assert r.seconds == r.device and 0 < r.device < (r.end - r.start) / 1e3 / 5
+    (_, seconds), = calls
+    host = {}
+    for r in compute:
+        key = (r.action.stage, r.action.kind.value)
+        host[key] = host.get(key, 0.0) + (r.end - r.start) / 1e3
+    assert set(seconds) == set(host)
+    for key, t in seconds.items():
+        assert t == pytest.approx(sum(r.device for r in compute
+                                      if (r.action.stage, r.action.kind.value) == key))
+        assert t < host[key] / 5

@@ -23,7 +23,7 @@ with one rank) need no communication: the value goes into ``_local``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import contextlib
@@ -220,6 +220,10 @@ class RankExecutor(StageCompute):
         self.records: list[TimelineRecord] | None = None
         self.origin: float | None = None  # perf_counter() of the step's start
         self._wait_end: float | None = None
+        # A timed step on a GPU: (record's index, start event, end event) of
+        # each compute action, read once the step's work is done.
+        self._events: list | None = None
+        self._wait_event = None
         # Functions, not bound methods: a dict of this executor's bound
         # methods would be a reference cycle, and everything the step left
         # here (its inputs, targets, results: on a GPU, device memory) would
@@ -343,9 +347,11 @@ class RankExecutor(StageCompute):
 
     def _loop(self) -> None:
         verbs, release_at = self._verbs, self._release_at
-        origin = None
+        origin, self._events = None, None
         if self.records is not None:
             origin = self.origin if self.origin is not None else time.perf_counter()
+            if self._on_gpu():
+                self._events = []
         # Under a torch profiler every action is a range of its own
         # ("fastpipe.F stage=1 mb=3"), so the user's trace shows the schedule;
         # without one, the loop has nothing extra to do.
@@ -379,6 +385,28 @@ class RankExecutor(StageCompute):
                 _add_note(exc, self._where(action))
             raise
         self.transport.finish()
+        if self._events:
+            self._device_times()
+
+    def _on_gpu(self) -> bool:
+        return any(st.device.type == "cuda" for st in self.stages.values())
+
+    def _event(self):
+        """A timing event after the work queued so far on this thread's current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _device_times(self) -> None:
+        """Each timed compute action's GPU seconds, into its record's
+        ``device``: on a GPU the host's span of an action is the time to
+        queue it, not what it costs, and the order a zero-bubble Pipe takes
+        after its measured step is simulated from these costs. One host wait
+        for the step's last event, in the measured step only."""
+        events, self._events = self._events, None
+        events[-1][2].synchronize()
+        for i, start, end in events:
+            self.records[i] = replace(self.records[i], device=start.elapsed_time(end) / 1e3)
 
     def _where(self, a: Action | None) -> str:
         """Where in the pipeline an exception was raised, as a note on it."""
@@ -403,10 +431,13 @@ class RankExecutor(StageCompute):
     def _flush_stage(self, i: int, origin: float | None) -> None:
         stage = self.stages[i]
         t0 = time.perf_counter()
+        began = self._event() if self._events is not None else None
         self._hold(-stage.weights.nbytes)
         stage.weights.flush()
         if self.records is not None:
             last = Action(i, Kind.W, self.schedule.microbatches - 1)
+            if began is not None:
+                self._events.append((len(self.records), began, self._event()))
             self.records.append(TimelineRecord(self.rank, last, t0 - origin,
                                                time.perf_counter() - origin))
 
@@ -471,7 +502,9 @@ class RankExecutor(StageCompute):
 
     def _timed(self, a: Action, origin: float) -> None:
         """Runs one action and records it; a wait for data becomes a comm record."""
-        self._wait_end = None
+        self._wait_end = self._wait_event = None
+        timed = self._events is not None and a.kind in _COMPUTE
+        began = self._event() if timed else None
         t0 = time.perf_counter()
         self._verbs[a.kind](self, a)
         t1 = time.perf_counter()
@@ -485,6 +518,8 @@ class RankExecutor(StageCompute):
             start = self._wait_end
             wait = Action(a.stage, _WAIT_KIND[a.kind], a.microbatch)
             self.records.append(TimelineRecord(self.rank, wait, t0 - origin, start - origin, "comm"))
+        if timed:  # from after the stream's wait for the input, if there was one
+            self._events.append((len(self.records), self._wait_event or began, self._event()))
         self.records.append(TimelineRecord(self.rank, a, start - origin, t1 - origin))
 
     # --- communication verbs ----------------------------------------------------
@@ -514,6 +549,8 @@ class RankExecutor(StageCompute):
         self._held.setdefault((key[1], key[2]), []).append(pending)
         if self.records is not None:
             self._wait_end = time.perf_counter()
+            if self._events is not None:  # the stream has queued its wait for the data
+                self._wait_event = self._event()
         return payload
 
     def _deliver(self, key: tuple[str, int, int], dst_stage: int, payload) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ def measured(schedule: Schedule, records: Sequence[TimelineRecord]) -> MeasuredS
     Raises:
         ValueError: If ``records`` holds no compute record.
     """
-    ms = [TimelineRecord(r.rank, r.action, r.start * 1e3, r.end * 1e3, r.track) for r in records]
+    ms = [replace(r, start=r.start * 1e3, end=r.end * 1e3) for r in records]
     compute = [r for r in ms if r.track == "compute"]
     if not compute:
         raise ValueError("no compute records: was the step recorded?")

@@ -23,7 +23,9 @@ class TimelineRecord:
     """One interval of the timeline: ``action`` ran on ``rank`` from ``start`` to ``end``.
 
     ``track`` is ``"compute"`` for F/B/I/W and ``"comm"`` for a transfer (a
-    send's flight from the moment it is issued until it arrives).
+    send's flight from the moment it is issued until it arrives). ``device``:
+    a measured action's own seconds where the host's span is not its cost
+    (on a GPU, between CUDA events around it: the host only queued it).
     """
 
     rank: int
@@ -31,6 +33,12 @@ class TimelineRecord:
     start: float
     end: float
     track: Literal["compute", "comm"] = "compute"
+    device: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        """What the action cost: ``device`` where measured, else ``end - start``."""
+        return self.end - self.start if self.device is None else self.device
 
 
 @dataclass
