@@ -124,6 +124,8 @@ class LocalRunner:
             mailbox.fail(-1, exc)  # unblock the workers, then let them finish
             for ev in events:
                 _outcome(ev)
+            for rank_lanes in lanes:  # what the ranks queued comes before the caller's next work
+                rank_lanes.exit_to_caller()
             self._drop_rings(lanes)
             raise
         for rank_lanes in lanes:

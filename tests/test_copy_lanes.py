@@ -373,3 +373,32 @@ def test_close_gives_the_device_lanes_back_and_a_later_step_makes_new_ones():
     pipe.step(x, y, F.mse_loss)  # usable after close(), as before
     assert pipe._runner.device_lanes and all(a is not b for a, b in zip(pipe._runner.device_lanes.values(), held))
     pipe.close()
+
+
+def test_an_interrupted_step_still_hands_the_lanes_back_to_the_caller(monkeypatch):
+    """Ctrl-C in a step: the caller's stream must still wait for the work the
+    ranks queued (``exit_to_caller``) before anything it runs next."""
+    import _thread
+
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.05)
+            return x
+
+    exits = []
+    monkeypatch.setattr(lanes_mod.HostLanes, "exit_to_caller", lambda self: exits.append(self))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), Slow(), nn.Linear(5, 3)).double()
+    pipe = _pipe(model, "1f1b", 2, 4, balance=[2, 1])
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    timer = threading.Timer(0.1, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pipe.step(x, y, F.mse_loss)
+        assert len(exits) == 2 and len({id(e) for e in exits}) == 2
+        loss = pipe.step(x, y, F.mse_loss)  # and the next step works
+        assert torch.isfinite(loss) and len(exits) == 4
+    finally:
+        timer.cancel()
+        pipe.close()
