@@ -27,8 +27,13 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 SECTIONS=${SECTIONS:-"ring rebuild pack soak syncs gpt grads kernels local recompute"}
 BUDGET=${BUDGET:-290}
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    exec > >(tee "$OUT/gpu_check.log") 2>&1  # the whole output, beside each section's JSON
+fi
 LOG=${OUT:-/tmp}/gpu_check_build.log
 status=0
+skipped=""
 t_start=$(date +%s)
 
 echo "== build"
@@ -45,8 +50,8 @@ export FASTPIPE_BUILD_JOBS=${FASTPIPE_BUILD_JOBS:-12}
 export FASTPIPE_NATIVE_CHAIN=${FASTPIPE_NATIVE_CHAIN:-1}
 if [ -z "${CUDA_HOME:-}" ] && [ ! -f /usr/local/cuda/include/cuda_runtime_api.h ]; then
     # No toolkit at the usual place: the headers of a pip-installed CUDA runtime do.
-    header=$("$PY" -c "import site; print(' '.join(site.getsitepackages()))" \
-             | xargs -n1 -I{} find {}/nvidia -name cuda_runtime_api.h 2>/dev/null | head -1)
+    header=$("$PY" -c "import site; print('\n'.join(site.getsitepackages()))" \
+             | xargs -I{} find {}/nvidia -name cuda_runtime_api.h 2>/dev/null | head -1)
     [ -n "$header" ] && export CUDA_HOME=$(dirname "$(dirname "$header")") && echo "CUDA_HOME=$CUDA_HOME"
 fi
 # What was asked first, then without _chain, then without CUDA, then
@@ -98,6 +103,7 @@ for section in $SECTIONS; do
     room=$(( $(left) - 15 ))  # the kill's grace and the next line's print
     if [ "$room" -lt 20 ]; then
         echo "== $section skipped: $(left) s left of BUDGET=$BUDGET"
+        skipped="$skipped $section"
         status=1
         continue
     fi
@@ -106,4 +112,5 @@ for section in $SECTIONS; do
         ${OUT:+--out "$OUT/gpu_check_$section.json"} || status=1
     echo "  ($section done at $(( $(date +%s) - t_start )) s)"
 done
+echo "gpu_check: $(( $(date +%s) - t_start )) s in all; skipped for the budget:${skipped:- none}"
 exit $status
