@@ -92,7 +92,8 @@ class Pipe(nn.Module):
             (default): lanes unless every device is a CPU. Refused on NCCL.
         checkpoint: ``"never"`` (default), ``"except_last"`` or ``"always"``:
             which microbatches recompute their stage activations in backward
-            (dropout replays; ``fastpipe.is_recomputing()`` tells a layer).
+            (dropout replays, norm layers' running statistics are updated
+            once; ``fastpipe.is_recomputing()`` tells a layer).
         recompute: ``"none"`` (default) or ``"selective"``
             (``fastpipe.selective_recompute`` applied to the model in place).
         wire_dtype: activations cross rank boundaries rounded to this dtype

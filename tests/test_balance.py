@@ -152,6 +152,24 @@ def test_profile_windows_time_every_layer(window):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_profiling_leaves_the_buffers_and_the_generator_as_they_were():
+    # balance="auto" profiles before the first step: a BatchNorm counting
+    # those runs, or dropout drawing from the user's generator, would make
+    # the step differ from the unsplit loop's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 3))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    x, y = torch.randn(12, 8), torch.randn(12, 3)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    profile(model, x, chunks=3, repeats=2, warmup=1, fit_rows=2, loss_fn=nn.functional.mse_loss,
+            target=y)
+    assert torch.equal(torch.rand(3), expected)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, before[name]), name
+
+
 @pytest.mark.parametrize("window", [0, -1, 1.5, True])
 def test_profile_rejects_bad_window(window):
     with pytest.raises(ValueError, match="window"):

@@ -206,6 +206,36 @@ def test_side_effects_can_skip_the_recomputation():
     assert not fastpipe.is_recomputing()
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_recomputation_leaves_running_statistics_as_the_forward_did(schedule):
+    # A checkpointed BatchNorm's recomputation would update its running
+    # statistics a second time; they must be the unsplit loop's, whatever the
+    # momentum (None: a cumulative average through num_batches_tracked).
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.BatchNorm1d(4), nn.ReLU(),
+                             nn.Conv1d(4, 4, 3, padding=1), nn.BatchNorm1d(4, momentum=None),
+                             nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
+                             nn.Flatten(), nn.Linear(4 * 6, 3)).double()
+
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    model, ref = build(), build()
+    pipe = Pipe(model, chunks=4, schedule=schedule, devices=["cpu", "cpu"],
+                stages_per_rank=SPR.get(schedule), checkpoint="always")
+    try:
+        for _ in range(2):
+            pipe.step(x, y, F.mse_loss)
+    finally:
+        pipe.close()
+    for _ in range(2):
+        sum(F.mse_loss(ref(a), b) for a, b in zip(x.tensor_split(4), y.tensor_split(4))).backward()
+    for (name, b), (_, r) in zip(model.named_buffers(), ref.named_buffers()):
+        torch.testing.assert_close(b, r, rtol=1e-12, atol=1e-12, msg=name)
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, r.grad / 4, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_modes():
     assert [checkpointed("except_last", i, 4) for i in range(4)] == [True, True, True, False]
     assert all(checkpointed("always", i, 4) for i in range(4))

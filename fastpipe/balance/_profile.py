@@ -13,7 +13,10 @@ per layer: parameter bytes, the bytes autograd saves for backward
 hooks on the layer before's output as a stage runs them, and the bytes a
 split schedule's W reads from I on (what the layer's weight rules kept,
 and the output gradients I left them). Given the step's loss, the last
-layer's figures include it, as the last stage's F and I do.
+layer's figures include it, as the last stage's F and I do. Profiling
+leaves the model's buffers (a BatchNorm's running statistics) and the random
+generators as it found them: a Pipe that balances itself trains the model
+the unsplit loop would.
 """
 
 from __future__ import annotations
@@ -286,6 +289,27 @@ def profile(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     micro = mbatch.split(sample, chunks)[0]
     rows = mbatch.batch_size(micro)
+    with _unchanged(model, device):
+        return _profile(model, sample, device, micro, rows, warmup, repeats, window, chunks,
+                        fit_rows, loss_fn, target)
+
+
+@contextlib.contextmanager
+def _unchanged(model: nn.Module, device: torch.device):
+    """Runs the block, then puts back ``model``'s buffers (in place) and the
+    CPU's and ``device``'s random generators as they were before it."""
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, before in buffers:
+                    b.copy_(before)
+
+
+def _profile(model, sample, device, micro, rows, warmup, repeats, window, chunks, fit_rows,
+             loss_fn, target) -> Profile:
     layers = _profile_at(model, micro, device, warmup, repeats, window,
                          _loss_of(loss_fn, target, chunks, device))
     fits: tuple[dict, ...] = ()

@@ -10,6 +10,10 @@ forward started with, and then backpropagates through that fresh graph:
     F (checkpointed):  x ──► stage(x) ──► y   (nothing saved; RNG state kept)
     B / I:             restore RNG ──► stage(x) ──► y' ──► backward(y', dy)
 
+A recomputation leaves the running statistics of torch's norm layers as the
+first forward left them (``norm_layers``), so a checkpointed BatchNorm counts
+each microbatch once, as the unsplit model does.
+
 The modes follow torchgpipe: ``"always"`` checkpoints every microbatch,
 ``"except_last"`` all but the last (whose backward comes right after its
 forward, so recomputing it saves nothing), ``"never"`` none.
@@ -27,7 +31,7 @@ from torch import nn
 
 __all__ = [
     "MODES", "NO_RANDOM", "RngState", "check_mode", "checkpointed", "forgetful", "guarded",
-    "is_recomputing", "recompute", "seeded", "stage_seed", "stochastic",
+    "is_recomputing", "norm_layers", "recompute", "seeded", "stage_seed", "stochastic",
 ]
 
 MODES = ("never", "except_last", "always")
@@ -88,6 +92,35 @@ def stochastic(module: nn.Module, training_only: bool = False) -> bool:
     kinds = (nn.modules.dropout._DropoutNd, nn.RReLU)
     return any((isinstance(m, kinds) or getattr(m, "draws_random", False) is True)
                and (m.training or not training_only) for m in module.modules())
+
+
+def norm_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers of ``module`` whose training forward updates running
+    statistics in place: torch's BatchNorm and InstanceNorm kinds (and their
+    subclasses, ``SyncBatchNorm`` among them) that track them."""
+    return [m for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@contextmanager
+def _stats_kept(layers: list[nn.Module]) -> Iterator[None]:
+    """Runs the block with copies of the running statistics of ``layers`` in
+    training mode, then puts the originals back: a recomputed forward would
+    otherwise count its microbatch twice. Copies, not a restore in place:
+    the recomputed graph saves the statistics, and writing into them again
+    would fail its backward's version check."""
+    kept = [(m, name, getattr(m, name)) for m in layers if m.training for name in _STATS
+            if getattr(m, name, None) is not None]
+    for m, name, t in kept:
+        setattr(m, name, t.clone())
+    try:
+        yield
+    finally:
+        for m, name, t in kept:
+            setattr(m, name, t)
 
 
 class _NoRandom:
@@ -163,9 +196,12 @@ def forgetful():
 
 
 @contextmanager
-def recompute(rng: RngState, lock: threading.Lock | None) -> Iterator[None]:
-    """The block re-runs a checkpointed forward: same random state, flagged."""
-    with _maybe(lock), rng.replay(), _recomputing(), torch.enable_grad():
+def recompute(rng: RngState, lock: threading.Lock | None,
+              norms: list[nn.Module] = ()) -> Iterator[None]:
+    """The block re-runs a checkpointed forward: same random state, flagged,
+    the running statistics of ``norms`` (``norm_layers``) left as they were."""
+    with _maybe(lock), rng.replay(), _recomputing(), torch.enable_grad(), \
+            _stats_kept(norms) if norms else nullcontext():
         yield
 
 

@@ -40,7 +40,7 @@ from fastpipe.runtime import deferred
 from fastpipe.runtime.buffers import last_use
 from fastpipe.runtime.chain import Chain
 from fastpipe.runtime.losses import known_loss
-from fastpipe.runtime.checkpoint import stochastic
+from fastpipe.runtime.checkpoint import norm_layers, stochastic
 from fastpipe.runtime.eager_checks import accumulator_hooked
 from fastpipe.runtime.memory import SavedBytes
 from fastpipe.runtime.stage_compute import Saved, StageCompute
@@ -70,6 +70,7 @@ class Stage:
     params: list[torch.Tensor] = field(init=False)
 
     stochastic: bool = field(init=False)  # holds dropout-like layers
+    norms: list = field(init=False)  # layers with running statistics (a recomputation keeps them)
     # Saved-activation bytes of a forward, by (kind, input shapes and dtypes):
     # counted with hooks the first time, then looked up (hooks cost ~5 %).
     saved_bytes: dict = field(default_factory=dict, init=False)
@@ -85,6 +86,7 @@ class Stage:
     def __post_init__(self) -> None:
         self.refresh()
         self.stochastic = stochastic(self.module)
+        self.norms = norm_layers(self.module)
         self.chain = None if self.chains == "off" else Chain.of(self.module, self.chains == "on")
 
     def refresh(self) -> None:

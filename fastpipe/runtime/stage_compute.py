@@ -226,8 +226,8 @@ class StageCompute:
         counting = self._saved_bytes.counting() if known is None else nullcontext()
         saved.pending = deferred.Pending() if stage_index in self._defers else None
         collect = deferred.collecting(saved.pending) if saved.pending is not None else nullcontext()
-        with recompute(saved.rng, self.rng_lock if stage.stochastic else None), counting, \
-                self._autocast(), collect:
+        with recompute(saved.rng, self.rng_lock if stage.stochastic else None, stage.norms), \
+                counting, self._autocast(), collect:
             out = stage.module(unflatten(saved.leaves, saved.spec))
             if stage_index == self.schedule.stages - 1:
                 loss = self._loss(mb, out)
