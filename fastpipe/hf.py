@@ -40,10 +40,13 @@ __all__ = ["causal_lm", "lm_loss"]
 _Value = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 # The pieces of a base model, as its config's ``base_model_pp_plan`` names
-# them: (inputs, outputs) of the embedding, the layers and the final norm.
-_STANDARD_PLAN = ((["input_ids"], ["inputs_embeds"]),
-                  (["hidden_states", "attention_mask"], ["hidden_states"]),
-                  (["hidden_states"], ["hidden_states"]))
+# them: (inputs, outputs) of the embedding, the layers and the final norm;
+# between the embedding and the layers, pieces of the embeddings' output
+# (a dropout) may come, in the plan's order.
+_EMBEDDING = (("input_ids",), ("inputs_embeds",))
+_ON_EMBEDDINGS = ("inputs_embeds",)
+_LAYERS = (("hidden_states", "attention_mask"), ("hidden_states",))
+_NORM = (("hidden_states",), ("hidden_states",))
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
@@ -52,9 +55,12 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
     layer N-1, final norm, head)``, for a ``Pipe`` to split.
 
     Supported: ``GPT2LMHeadModel``, and models whose config's
-    ``base_model_pp_plan`` has the standard pieces (``embed_tokens``,
-    ``layers``, ``norm``) with a ``rotary_emb`` on the base model (Llama,
-    Qwen2, Mistral; sliding-window layers get transformers' own mask).
+    ``base_model_pp_plan`` has the standard pieces (an embedding of the
+    ids, optionally pieces on its output such as a dropout, the layers, the
+    final norm) with a ``rotary_emb`` on the base model (Llama, Qwen2/3,
+    Mistral, Gemma, Phi-3, OLMo-2, Granite, Phi, GPT-NeoX; sliding-window
+    layers get transformers' own mask). The head is the model's output
+    embeddings (``get_output_embeddings()``).
     The members hold the model's own modules (each layer gets a copy of the
     buffer-only rotary embedding): parameters are shared, ties stay ties,
     names keep transformers' attributes (``0.wte.weight``, ...).
@@ -74,7 +80,8 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
 
     Raises:
         ImportError: transformers is not installed.
-        TypeError: ``model`` is not a causal LM with a ``base_model`` and an ``lm_head``.
+        TypeError: ``model`` is not a causal LM with a ``base_model`` and output
+            embeddings of its own.
         ValueError: the model's layout is not one of the supported ones, or
             (``check``) its logits differ from the Sequential's beyond the
             tolerance ``torch.testing.assert_close`` uses for their dtype.
@@ -86,23 +93,25 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
     masking = _masking_utils()
     name = type(model).__name__
     base = getattr(model, "base_model", None)
-    head = getattr(model, "lm_head", None)
-    if not isinstance(base, nn.Module) or not isinstance(head, nn.Module):
-        raise TypeError(f"{name} is not a transformers causal LM: need a base_model and an lm_head")
+    head_name = _head_name(model)
+    if not isinstance(base, nn.Module) or head_name is None:
+        raise TypeError(f"{name} is not a transformers causal LM: need a base_model and output "
+                        "embeddings (get_output_embeddings()) held by the model itself")
     config = base.config
     if getattr(config, "model_type", None) == "gpt2":
         embed: nn.Module = _GPT2Embeddings(base.wte, base.wpe, base.drop)
         layers, norm_name, rotary = base.h, "ln_f", None
     else:
-        embed_name, layers_name, norm_name = _standard_pieces(base, name)
-        embed = _Embeddings(embed_name, getattr(base, embed_name))
+        embed_names, layers_name, norm_name = _standard_pieces(base, name)
+        embed = _Embeddings({n: getattr(base, n) for n in embed_names})
         layers, rotary = getattr(base, layers_name), base.rotary_emb
     count = getattr(config, "num_hidden_layers", len(layers))
     members = [embed]
     for i, layer in enumerate(layers[:count]):
         own = copy.deepcopy(rotary, memo={id(config): config}) if rotary is not None else None
         members.append(_DecoderLayer(layer, config, _mask_function(masking, config, i, name), own))
-    seq = nn.Sequential(*members, _FinalNorm(norm_name, getattr(base, norm_name)), _Head(head))
+    seq = nn.Sequential(*members, _FinalNorm(norm_name, getattr(base, norm_name)),
+                        _Head(head_name, getattr(model, head_name)))
     if check:
         _check(model, seq, name)
     return seq
@@ -149,17 +158,21 @@ def _check_mask(ids: torch.Tensor, mask: torch.Tensor | None) -> None:
 
 
 class _Embeddings(nn.Module):
-    """Token ids (batch, seq) -> the embedding module's hidden states."""
+    """Token ids (batch, seq) -> the embedding module's hidden states, then
+    the pieces the model runs on them before its layers, in order."""
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(self, pieces: dict[str, nn.Module]) -> None:
         super().__init__()
-        self.name = name
-        self.add_module(name, module)
+        for name, module in pieces.items():
+            self.add_module(name, module)
 
     def forward(self, value: _Value) -> _Value:
         ids, mask = _split(value)
         _check_mask(ids, mask)
-        return _join(self._modules[self.name](ids), mask)
+        hidden = ids
+        for piece in self._modules.values():
+            hidden = piece(hidden)
+        return _join(hidden, mask)
 
 
 class _GPT2Embeddings(nn.Module):
@@ -219,12 +232,13 @@ class _FinalNorm(nn.Module):
 class _Head(nn.Module):
     """Hidden states (batch, seq, d) -> logits (batch, seq, vocab)."""
 
-    def __init__(self, lm_head: nn.Module) -> None:
+    def __init__(self, name: str, module: nn.Module) -> None:
         super().__init__()
-        self.lm_head = lm_head
+        self.name = name
+        self.add_module(name, module)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self._modules[self.name](hidden)
 
 
 # --- finding the pieces -----------------------------------------------------------
@@ -237,21 +251,33 @@ def _masking_utils() -> ModuleType:
         raise ImportError(f"fastpipe.hf needs transformers ({exc}): pip install fastpipe[hf]") from exc
 
 
-def _standard_pieces(base: nn.Module, name: str) -> tuple[str, str, str]:
-    """The attribute names of the embedding, the layers and the final norm."""
+def _head_name(model: nn.Module) -> str | None:
+    """The attribute of ``model`` holding its output embeddings (the head)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        return None
+    return next((n for n, m in model.named_children() if m is head), None)
+
+
+def _standard_pieces(base: nn.Module, name: str) -> tuple[list[str], str, str]:
+    """The attribute names of the embedding (and of the pieces run on its
+    output before the layers), of the layers and of the final norm."""
     plan = getattr(base.config, "base_model_pp_plan", None)
     if not plan:
         raise ValueError(f"{name} is not supported: its config has no base_model_pp_plan "
                          "and it is not GPT-2")
-    pieces = tuple(plan)
-    shapes = tuple((list(i), list(o)) for i, o in plan.values())
-    if shapes != _STANDARD_PLAN or not hasattr(base, "rotary_emb"):
+    pieces = list(plan)
+    shapes = [(tuple(i), tuple(o)) for i, o in plan.values()]
+    standard = (len(shapes) >= 3 and shapes[0] == _EMBEDDING and shapes[-2:] == [_LAYERS, _NORM]
+                and all(i == _ON_EMBEDDINGS for i, _ in shapes[1:-2]))
+    if not standard or not hasattr(base, "rotary_emb"):
         raise ValueError(f"{name} is not supported: its base_model_pp_plan {dict(plan)} is not "
-                         "an embedding of input_ids, a list of layers and a final norm with a "
-                         "rotary_emb on the base model")
-    if not isinstance(getattr(base, pieces[1], None), nn.ModuleList):
-        raise ValueError(f"{name} is not supported: base_model.{pieces[1]} is not an nn.ModuleList")
-    return pieces
+                         "an embedding of input_ids (then pieces of its output), a list of layers "
+                         "and a final norm with a rotary_emb on the base model")
+    if not isinstance(getattr(base, pieces[-2], None), nn.ModuleList):
+        raise ValueError(f"{name} is not supported: base_model.{pieces[-2]} is not an nn.ModuleList")
+    return pieces[:-2], pieces[-2], pieces[-1]
 
 
 _MASK_MAKERS = {"full_attention": "create_causal_mask",
@@ -308,7 +334,7 @@ def _check(model: nn.Module, seq: nn.Sequential, name: str) -> None:
     weight = next(model.parameters(), None)
     if weight is None or weight.is_meta:
         return
-    vocab = getattr(model.lm_head, "out_features", None) or model.config.vocab_size
+    vocab = getattr(seq[-1]._modules[seq[-1].name], "out_features", None) or model.config.vocab_size
     ids = torch.randint(vocab, (2, 8), generator=torch.Generator().manual_seed(0)).to(weight.device)
     mask = torch.ones_like(ids)
     mask[1, -1] = 0  # right padding: no query is left with nothing to attend to

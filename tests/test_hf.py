@@ -184,9 +184,39 @@ def test_unsupported_models_are_named():
         word_embed_proj_dim=32))
     with pytest.raises(ValueError, match="OPTForCausalLM is not supported: its config has no base_model_pp"):
         causal_lm(opt)
-    phi = transformers.PhiForCausalLM(transformers.PhiConfig(**SMALL))  # embed_dropout: a fourth piece
-    with pytest.raises(ValueError, match="PhiForCausalLM is not supported: its base_model_pp_plan"):
-        causal_lm(phi)
+    llama = models.hf_llama_lm()
+    llama.config.base_model_pp_plan = {"layers": (["hidden_states", "attention_mask"],
+                                                  ["hidden_states"]), "norm": (["hidden_states"], ["hidden_states"])}
+    with pytest.raises(ValueError, match="LlamaForCausalLM is not supported: its base_model_pp_plan"):
+        causal_lm(llama)
+
+
+@pytest.mark.parametrize("family", ["phi", "gpt_neox", "qwen3"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_more_families_train_as_their_own_forward(family, schedule):
+    """Phi and GPT-NeoX run a dropout on the embeddings before their layers
+    (a piece of their base_model_pp_plan between the embedding and the
+    layers), GPT-NeoX's head is untied; Qwen3 normalises its queries and
+    keys. Each through a Pipe, left padding: the model's own grads."""
+    import transformers
+
+    kinds = {"phi": ("PhiConfig", "PhiForCausalLM"), "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
+             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    config, lm = (getattr(transformers, k) for k in kinds[family])
+    torch.manual_seed(0)
+    hf = lm(config(**SMALL, head_dim=8, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                   attn_implementation="sdpa")).double()
+    model = causal_lm(hf)
+    assert model[-1]._modules[model[-1].name] is hf.get_output_embeddings()
+    ref = copy.deepcopy(hf)
+    x, labels = models.hf_batch(8, padding="left")
+    pipe = Pipe(model, chunks=CHUNKS, schedule=schedule, devices=["cpu", "cpu"],
+                stages_per_rank=SPR.get(schedule))
+    loss = pipe.step(x, labels, lm_loss)
+    want_loss, want = _hf_reference(ref, x, labels, CHUNKS)
+    torch.testing.assert_close(loss, want_loss)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], msg=name)
 
 
 def test_missing_transformers_names_the_extra(monkeypatch):
