@@ -237,8 +237,13 @@ class _Head(nn.Module):
         self.name = name
         self.add_module(name, module)
 
+    @property
+    def head(self) -> nn.Module:
+        """The model's output embeddings, under the model's own attribute name."""
+        return self._modules[self.name]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._modules[self.name](hidden)
+        return self.head(hidden)
 
 
 # --- finding the pieces -----------------------------------------------------------
@@ -334,7 +339,7 @@ def _check(model: nn.Module, seq: nn.Sequential, name: str) -> None:
     weight = next(model.parameters(), None)
     if weight is None or weight.is_meta:
         return
-    vocab = getattr(seq[-1]._modules[seq[-1].name], "out_features", None) or model.config.vocab_size
+    vocab = getattr(seq[-1].head, "out_features", None) or model.config.vocab_size
     ids = torch.randint(vocab, (2, 8), generator=torch.Generator().manual_seed(0)).to(weight.device)
     mask = torch.ones_like(ids)
     mask[1, -1] = 0  # right padding: no query is left with nothing to attend to

@@ -207,7 +207,7 @@ def test_more_families_train_as_their_own_forward(family, schedule):
     hf = lm(config(**SMALL, head_dim=8, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                    attn_implementation="sdpa")).double()
     model = causal_lm(hf)
-    assert model[-1]._modules[model[-1].name] is hf.get_output_embeddings()
+    assert model[-1].head is hf.get_output_embeddings()
     ref = copy.deepcopy(hf)
     x, labels = models.hf_batch(8, padding="left")
     pipe = Pipe(model, chunks=CHUNKS, schedule=schedule, devices=["cpu", "cpu"],

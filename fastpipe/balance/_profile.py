@@ -290,8 +290,14 @@ def profile(
     micro = mbatch.split(sample, chunks)[0]
     rows = mbatch.batch_size(micro)
     with _unchanged(model, device):
-        return _profile(model, sample, device, micro, rows, warmup, repeats, window, chunks,
-                        fit_rows, loss_fn, target)
+        layers = _profile_at(model, micro, device, warmup, repeats, window,
+                             _loss_of(loss_fn, target, chunks, device))
+        fits: tuple[dict, ...] = ()
+        if fit_rows is not None and fit_rows != rows:
+            other = _profile_at(model, _rows_of(sample, fit_rows), device, warmup, repeats, window,
+                                _loss_of(loss_fn, target, chunks, device, fit_rows))
+            fits = tuple(_fit(a, rows, b, fit_rows) for a, b in zip(layers, other))
+    return Profile(tuple(layers), rows, str(device), fits)
 
 
 @contextlib.contextmanager
@@ -306,19 +312,6 @@ def _unchanged(model: nn.Module, device: torch.device):
             with torch.no_grad():
                 for b, before in buffers:
                     b.copy_(before)
-
-
-def _profile(model, sample, device, micro, rows, warmup, repeats, window, chunks, fit_rows,
-             loss_fn, target) -> Profile:
-    layers = _profile_at(model, micro, device, warmup, repeats, window,
-                         _loss_of(loss_fn, target, chunks, device))
-    fits: tuple[dict, ...] = ()
-    if fit_rows is not None and fit_rows != rows:
-        other_micro = _rows_of(sample, fit_rows)
-        other = _profile_at(model, other_micro, device, warmup, repeats, window,
-                            _loss_of(loss_fn, target, chunks, device, fit_rows))
-        fits = tuple(_fit(a, rows, b, fit_rows) for a, b in zip(layers, other))
-    return Profile(tuple(layers), rows, str(device), fits)
 
 
 def _loss_of(loss_fn, target, chunks: int, device, rows: int | None = None):
