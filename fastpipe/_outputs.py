@@ -37,12 +37,22 @@ def no_backward(value: Any, parameter: torch.Tensor) -> Any:
     return value
 
 
-def backward_into_inputs(x: Any, grads: dict[int, list[torch.Tensor]], chunks: int) -> None:
+def backward_into_inputs(x: Any, grads: dict[int, list[torch.Tensor | None]], chunks: int) -> None:
     """Carries the first stage's input gradients into the caller's tensors:
     one backward for the whole batch (into ``x.grad`` for a leaf, on
     through the graph that made ``x`` otherwise), as ``loss.backward()``
-    on the unsplit model does."""
+    on the unsplit model does. An input no microbatch's gradient reached
+    (None in every one) gets none; where only some were reached, the rest
+    are zeros, as autograd's sum over the batch would make them."""
     wanting = [t for t in (x if isinstance(x, tuple) else (x,)) if t.requires_grad]
-    whole = [torch.cat([grads[mb][i] for mb in range(chunks)]).to(t.device)
-             for i, t in enumerate(wanting)]
-    torch.autograd.backward(wanting, whole)
+    roots, whole = [], []
+    for i, t in enumerate(wanting):
+        parts = [grads[mb][i] for mb in range(chunks)]
+        if all(g is None for g in parts):
+            continue
+        rows = torch.tensor_split(t, chunks)
+        roots.append(t)
+        whole.append(torch.cat([torch.zeros_like(r) if g is None else g.to(t.device)
+                                for g, r in zip(parts, rows)]))
+    if roots:
+        torch.autograd.backward(roots, whole)

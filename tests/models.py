@@ -37,6 +37,43 @@ def tuple_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
     ).to(dtype)
 
 
+class Fork(nn.Module):
+    """x -> (x, side(x)): a second float output that no later layer reads."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.side = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x, self.side(x)
+
+
+class First(nn.Module):
+    def forward(self, value):
+        return value[0]
+
+
+class Detach(nn.Module):
+    def forward(self, x):
+        return x.detach()
+
+
+def gapped_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """A boundary after Fork (balance [2, 4]; [1, 1, 2, 2] for a V) carries
+    a member no gradient reaches: ``side`` keeps ``.grad`` None."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), Fork(8), First(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3)).to(dtype)
+
+
+def detached_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
+    """A stage that starts with Detach (balance [2, 4]; [1, 1, 2, 2] for a V)
+    sends no gradient back: every layer before it keeps ``.grad`` None."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), Detach(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3)).to(dtype)
+
+
 def embedding_model(dtype=torch.float64, seed: int = 0) -> nn.Sequential:
     """Integer input first: token ids → embedding → per-token MLP."""
     torch.manual_seed(seed)
@@ -81,7 +118,8 @@ def reference(model: nn.Sequential, x, y, loss_fn, chunks: int):
     ys = torch.tensor_split(y, chunks)
     loss = sum(loss_fn(model(a), b) for a, b in zip(xs, ys)) / chunks
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
 
 
 class _Fp32Matmul(torch.autograd.Function):

@@ -10,8 +10,9 @@ from torch import nn
 
 from fastpipe import Pipe
 from fastpipe.schedules import names
-from tests.models import (amp_model, amp_reference, embedding_model, mlp, reference, tied_embedding_model,
-                          tied_mlp, tuple_model)
+from fastpipe._outputs import backward_into_inputs
+from tests.models import (amp_model, amp_reference, detached_model, embedding_model, gapped_model, mlp,
+                          reference, tied_embedding_model, tied_mlp, tuple_model)
 
 F = nn.functional
 
@@ -28,8 +29,11 @@ def _check(model_fn, x, y, loss_fn, schedule, ranks, chunks, balance=None, rtol=
     try:
         loss = pipe.step(x, y, loss_fn)
         torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol)
+        # What the unsplit model leaves without a gradient stays None.
+        assert {n for n, p in model.named_parameters() if p.grad is not None} == ref_grads.keys()
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=rtol, atol=atol, msg=name)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, ref_grads[name], rtol=rtol, atol=atol, msg=name)
         with torch.no_grad():
             torch.testing.assert_close(pipe(x), ref_model(x), rtol=rtol, atol=atol)
     finally:
@@ -218,6 +222,51 @@ def test_input_gradient_with_checkpointing(schedule):
     (ref_x, ref_up), (x_grad, up_grad) = _input_grads(schedule, 3, checkpoint="always")
     torch.testing.assert_close(x_grad, ref_x, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(up_grad, ref_up, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("chains", ["1", "0"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+@pytest.mark.parametrize("schedule", names())
+@pytest.mark.parametrize("model_fn", [gapped_model, detached_model])
+def test_what_no_gradient_reaches_keeps_grad_none(model_fn, schedule, checkpoint, chains,
+                                                  monkeypatch):
+    """A boundary member no later layer reads, and a stage that starts with
+    a detach: the layers before them keep ``.grad`` None, as in the unsplit
+    model, and so does the caller's input where nothing reaches it. Chain
+    stages (Linear, Tanh) and autograd's."""
+    monkeypatch.setenv("FASTPIPE_CHAIN", chains)
+    torch.manual_seed(8)
+    x0, y = torch.randn(9, 5, dtype=torch.float64), torch.randn(9, 3, dtype=torch.float64)
+    balance = [1, 1, 2, 2] if SPR.get(schedule) else [2, 4]
+    ref_model, model = model_fn(), model_fn()
+    ref_x, x = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    _, ref_grads = reference(ref_model, ref_x, y, F.mse_loss, 3)
+    pipe = Pipe(model, chunks=3, schedule=schedule, balance=balance, devices=["cpu", "cpu"],
+                stages_per_rank=SPR.get(schedule), checkpoint=checkpoint)
+    try:
+        for step in (1, 2):  # the second step adds to .grad where there is one
+            pipe.step(x, y, F.mse_loss)
+            assert {n for n, p in model.named_parameters() if p.grad is not None} == ref_grads.keys()
+            for name, g in ref_grads.items():
+                torch.testing.assert_close(model.get_parameter(name).grad, step * g, rtol=1e-10,
+                                           atol=1e-12, msg=name)
+            if ref_x.grad is None:
+                assert x.grad is None
+            else:
+                torch.testing.assert_close(x.grad, step * ref_x.grad, rtol=1e-10, atol=1e-12)
+    finally:
+        pipe.close()
+    assert model[0].weight.grad is None if model_fn is detached_model else model[1].side.weight.grad is None
+
+
+def test_input_rows_no_gradient_reached_get_zeros_beside_the_others():
+    x = torch.zeros(4, 2, requires_grad=True)
+    g = torch.ones(2, 2)
+    backward_into_inputs(x, {0: [None], 1: [g]}, 2)
+    assert torch.equal(x.grad, torch.tensor([[0.0, 0], [0, 0], [1, 1], [1, 1]]))
+    y = torch.zeros(4, 2, requires_grad=True)
+    backward_into_inputs(y, {0: [None], 1: [None]}, 2)
+    assert y.grad is None
 
 
 def test_grads_accumulate_like_backward():

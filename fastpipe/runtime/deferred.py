@@ -295,6 +295,10 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor | None],
     None (nothing deferred): a plain backward. ``keep_graph`` as in
     ``_backward.backward_full``.
     """
+    if not roots:  # no gradient reached the outputs: none reaches a weight either
+        if pending is not None:
+            pending.entries, pending.calls, pending.edges = [], [], []
+        return [None] * len(inputs)
     blocks = [c for c in pending.calls if c.waiting] if pending is not None else []
     if pending is None or not (pending.entries or blocks):
         backward_full(roots, grads, keep_graph)

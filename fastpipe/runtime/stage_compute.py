@@ -249,23 +249,29 @@ class StageCompute:
         if saved.rng is not None:  # recompute first: the gradient may still be on its way
             self._recompute(stage, mb, saved)
         if saved.grads is None:
-            grads, _ = self._take(("B", stage, mb), stage + 1)
+            grads, came = self._take(("B", stage, mb), stage + 1)
             saved.grads = list(grads)
+            if came is not False:  # outputs no gradient reached start no backward
+                saved.roots = [r for r, c in zip(saved.roots, came) if c]
         return saved
 
     def _send_input_grads(self, stage: int, mb: int, leaves, grads) -> None:
-        """The gradient of each stage input that wants one (zeros where none
-        reached it): to the previous stage, or kept for the caller on stage 0."""
-        out = [
-            g if g is not None else torch.zeros_like(t)
-            for t, g in zip(leaves, grads)
-            if t.requires_grad
-        ]
+        """The gradient of each stage input that wants one: to the previous
+        stage, or kept for the caller on stage 0.
+
+        An input no gradient reached (a ``detach()``, an unused tuple member)
+        sends none, so what made it keeps ``.grad`` None, as in the unsplit
+        model (zeros would let weight decay and moments touch it). The
+        message's spec says which came: False for all, else one bool per
+        input that wants a gradient (``_grads_for`` reads it)."""
+        out = [g for t, g in zip(leaves, grads) if t.requires_grad]
         if stage == 0:
             if out:
                 self.input_grads[mb] = out
             return
-        self._deliver(("B", stage - 1, mb), stage - 1, (out, False))
+        came = tuple(g is not None for g in out)
+        self._deliver(("B", stage - 1, mb), stage - 1,
+                      ([g for g in out if g is not None], False if all(came) else came))
 
     def _backward(self, a: Action) -> None:
         """B: I, then its W at once (or waiting to be gathered with others)."""
