@@ -301,7 +301,8 @@ class Pipe(nn.Module):
         """Checks a step's arguments, makes the stages (``balance="auto"``) and
         compares copies (first step); ``(loss_fn, factor)``, scaled by ``scaler``."""
         if not torch.is_grad_enabled():
-            raise RuntimeError("Pipe.step needs autograd; it was called inside torch.no_grad()")
+            where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            raise RuntimeError(f"Pipe.step needs autograd; it was called inside {where}")
         self._check_not_broken()
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")

@@ -161,6 +161,9 @@ def test_step_inside_no_grad():
     try:
         with torch.no_grad(), pytest.raises(RuntimeError, match=r"inside torch.no_grad\(\)"):
             pipe.step(X, Y, F.mse_loss)
+        with torch.inference_mode(), pytest.raises(RuntimeError,
+                                                   match=r"inside torch.inference_mode\(\)"):
+            pipe.step(X, Y, F.mse_loss)
     finally:
         pipe.close()
 
