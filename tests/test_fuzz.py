@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +14,7 @@ from torch import nn
 from fastpipe import Pipe
 from fastpipe.schedules import names
 from tests.models import Block, Detach, First, Fork, reference
+from tests.support import spawn_ranks
 from tests.test_fused_wgrad import Twice
 
 FIXED_V = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-h2": 1, "zbv": 2, "dualpipev": 2}
@@ -73,7 +76,8 @@ _KINDS = {
 }
 
 
-def _mixed(kinds: list[str], seed: int) -> nn.Sequential:
+def mixed_model(kinds: list[str], seed: int) -> nn.Sequential:
+    """A Linear, the ``kinds`` in order, a Linear; float64, seeded."""
     torch.manual_seed(seed)
     layers = [nn.Linear(_D, _D)]
     for kind in kinds:
@@ -81,27 +85,53 @@ def _mixed(kinds: list[str], seed: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(_D, _D)).double()
 
 
-@st.composite
-def mixed_pipelines(draw):
-    schedule = draw(st.sampled_from(names()))
-    ranks = draw(st.integers(1, 3))
-    v = FIXED_V.get(schedule) or draw(st.integers(1, 2))
+def _mixed_case(pick, ranks: int) -> dict:
+    """A random mixed case on ``ranks`` ranks; ``pick(name, options)`` chooses
+    each value (hypothesis's draw, or a seeded ``random.Random``)."""
+    schedule = pick("schedule", names())
+    v = FIXED_V.get(schedule) or pick("v", [1, 2])
     stages = ranks * v
-    kinds = draw(st.lists(st.sampled_from(sorted(_KINDS)), min_size=max(0, stages - 2),
-                          max_size=stages + 3))
-    layers = len(_mixed(kinds, 0))
+    kinds = [pick("kind", sorted(_KINDS)) for _ in range(pick("layers", range(max(0, stages - 2), stages + 4)))]
+    layers = len(mixed_model(kinds, 0))
     kinds += ["linear"] * max(0, stages - layers)
     layers = max(layers, stages)
-    cuts = sorted(draw(st.sets(st.integers(1, layers - 1), min_size=stages - 1, max_size=stages - 1))) \
-        if stages > 1 else []
-    bounds = [0, *cuts, layers]
-    balance = [b - a for a, b in zip(bounds, bounds[1:])]
-    chunks = draw(st.integers(1, 5))
-    return dict(schedule=schedule, ranks=ranks, v=v, kinds=kinds, balance=balance, chunks=chunks,
-                rows=draw(st.integers(chunks, chunks + 3)),
-                checkpoint=draw(st.sampled_from(["never", "always", "except_last"])),
-                fused=draw(st.booleans()), input_grad=draw(st.booleans()),
-                chains=draw(st.sampled_from(["1", "0"])), seed=draw(st.integers(0, 2**16)))
+    cuts: list[int] = []
+    while len(cuts) < stages - 1:
+        cut = pick("cut", range(1, layers))
+        if cut not in cuts:
+            cuts.append(cut)
+    bounds = [0, *sorted(cuts), layers]
+    chunks = pick("chunks", range(1, 6))
+    return dict(schedule=schedule, ranks=ranks, v=v, kinds=kinds, chunks=chunks,
+                balance=[b - a for a, b in zip(bounds, bounds[1:])],
+                rows=pick("rows", range(chunks, chunks + 4)),
+                checkpoint=pick("checkpoint", ["never", "always", "except_last"]),
+                fused=pick("fused", [True, False]), input_grad=pick("input_grad", [False, True]),
+                chains=pick("chains", ["1", "0"]), seed=pick("seed", range(2**16)))
+
+
+def mixed_case_data(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The case's input (wanting a gradient where ``input_grad``) and target."""
+    g = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(case["rows"], 3, _D, generator=g, dtype=torch.float64)
+    y = torch.randn(case["rows"], 3, _D, generator=g, dtype=torch.float64)
+    return x.requires_grad_(case["input_grad"]), y
+
+
+def _expected(case: dict) -> list[tuple]:
+    """(loss, grads, x.grad) of the unsplit model after each of two steps."""
+    ref, (x, y) = mixed_model(case["kinds"], case["seed"]), mixed_case_data(case)
+    out = []
+    for _ in range(2):  # the second step adds to the first's gradients
+        loss, grads = reference(ref, x, y, nn.functional.mse_loss, case["chunks"])
+        out.append((loss, grads, None if x.grad is None else x.grad.clone()))
+    return out
+
+
+@st.composite
+def mixed_pipelines(draw):
+    return _mixed_case(lambda _, options: draw(st.sampled_from(list(options))),
+                       draw(st.integers(1, 3)))
 
 
 @settings(max_examples=200, deadline=None)
@@ -110,20 +140,11 @@ def test_random_mixed_pipelines_match_sequential_over_two_steps(case):
     """Any split of mixed layers, any schedule, checkpointing, fused or
     autograd B, chains on or off: two steps' loss, ``.grad`` (None where the
     unsplit model leaves None) and the input's gradient."""
-    g = torch.Generator().manual_seed(case["seed"])
-    rows, chunks = case["rows"], case["chunks"]
-    x0 = torch.randn(rows, 3, _D, generator=g, dtype=torch.float64)
-    y = torch.randn(rows, 3, _D, generator=g, dtype=torch.float64)
-    ref, ref_x = _mixed(case["kinds"], case["seed"]), x0.clone().requires_grad_(case["input_grad"])
-    expected = []
-    for _ in range(2):  # the second step adds to the first's gradients
-        loss, grads = reference(ref, ref_x, y, nn.functional.mse_loss, chunks)
-        expected.append((loss, grads, None if ref_x.grad is None else ref_x.grad.clone()))
-    model, x = _mixed(case["kinds"], case["seed"]), x0.clone().requires_grad_(case["input_grad"])
+    model, (x, y) = mixed_model(case["kinds"], case["seed"]), mixed_case_data(case)
     before = os.environ.get("FASTPIPE_CHAIN")
-    os.environ["FASTPIPE_CHAIN"] = case["chains"]
+    os.environ["FASTPIPE_CHAIN"] = case["chains"]  # read when the Pipe is built
     try:
-        pipe = Pipe(model, chunks=chunks, schedule=case["schedule"], balance=case["balance"],
+        pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"], balance=case["balance"],
                     devices=["cpu"] * case["ranks"], stages_per_rank=case["v"],
                     checkpoint=case["checkpoint"], fused_wgrad=case["fused"])
     finally:
@@ -132,16 +153,46 @@ def test_random_mixed_pipelines_match_sequential_over_two_steps(case):
         else:
             os.environ["FASTPIPE_CHAIN"] = before
     try:
-        for loss_ref, grads, x_grad in expected:
+        got = []
+        for _ in range(2):
             loss = pipe.step(x, y, nn.functional.mse_loss)
-            torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-12)
-            assert {n for n, p in model.named_parameters() if p.grad is not None} == grads.keys()
-            for name, grad in grads.items():
-                torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-9,
-                                           atol=1e-11, msg=name)
-            if x_grad is None:
-                assert x.grad is None
-            else:
-                torch.testing.assert_close(x.grad, x_grad, rtol=1e-9, atol=1e-11)
+            got.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()
+                               if p.grad is not None}, None if x.grad is None else x.grad.clone()))
     finally:
         pipe.close()
+    _check_mixed(got, _expected(case))
+
+
+def _check_mixed(got: list[tuple], expected: list[tuple]) -> None:
+    for (loss, grads, x_grad), (loss_ref, grads_ref, x_grad_ref) in zip(got, expected, strict=True):
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-10, atol=1e-12)
+        assert grads.keys() == grads_ref.keys()
+        for name, grad in grads_ref.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-9, atol=1e-11, msg=name)
+        assert (x_grad is None) == (x_grad_ref is None)
+        if x_grad is not None:
+            torch.testing.assert_close(x_grad, x_grad_ref, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_random_mixed_pipelines_on_two_ranks(tmp_path):
+    """The mixed cases on two gloo ranks, over shared memory, gloo, lanes
+    and exact (NCCL-style) messages: each rank's gradients together are
+    the unsplit model's, and x.grad is stage 0's rank's only."""
+    rng = random.Random(26)
+    cases = []
+    for i in range(48):
+        case = _mixed_case(lambda _, options: rng.choice(list(options)), 2)
+        cases.append({**case, "transport": ("shm", "gloo", "lanes", "exact")[i % 4]})
+    results = spawn_ranks("tests._fuzz_worker", 2, cases, tmp_path)
+    for i, case in enumerate(cases):
+        merged = []
+        for step in range(2):
+            first, last = (r[i][step] for r in results)
+            grads = {**first["grads"], **last["grads"]}
+            assert len(grads) == len(first["grads"]) + len(last["grads"]), case  # each on one rank
+            torch.testing.assert_close(first["loss"], last["loss"])
+            assert last["x_grad"] is None  # stage 0 is rank 0's
+            merged.append((first["loss"], grads, first["x_grad"]))
+        _check_mixed(merged, _expected(case))
