@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.support import heap_in_use
+from tests.support import heap_in_use, rank_results
 
 SPR = {"interleaved-1f1b": 2, "looped-bfs": 2, "zbv": 2, "dualpipev": 2}
 
@@ -23,11 +22,10 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    results = []
     counts = _count_p2p()
     capacity = shm_mod.CAPACITY
     pairs = None
-    try:
+    with rank_results(out_path) as results:
         for case in cases:
             if case.get("train"):
                 results.append(_train(case))
@@ -94,12 +92,6 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                             "staged": pipe._runner.shm_link[0].staged_total if pipe.shm else 0,
                             "measured": seen})
             restore()
-        torch.save({"ok": results}, out_path)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out_path)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _profile_cheap_w():

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from tests.support import rank_results
 
 
 def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> None:
@@ -18,8 +19,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    results = []
-    try:
+    with rank_results(out_path) as results:
         for case in cases:
             os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if case["transport"] == "exact" else "0"
             os.environ["FASTPIPE_CHAIN"] = case["chains"]
@@ -36,12 +36,6 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                               "grads": {n: p.grad.clone() for n, p in model.named_parameters()
                                         if p.grad is not None}})
             results.append(steps)
-        torch.save({"ok": results}, out_path)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out_path)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ torch.distributed.checkpoint (one file per rank)."""
 from __future__ import annotations
 
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+
+from tests.support import rank_results
 
 SPR = {"zbv": 2, "interleaved-1f1b": 2}
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -22,17 +23,10 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "pp"))
-    results = []
-    try:
+    with rank_results(out_path) as results:
         for case in cases:
             kind = case["kind"]
             results.append(globals()["_" + kind](case, mesh))
-        torch.save({"ok": results}, out_path)
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, out_path)
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def _pipe(case: dict, model: nn.Sequential, mesh=None):

@@ -1,5 +1,6 @@
 """What the tests and the benchmarks share beside the models: a loss that
-fails on cue, malloc's bytes in use, and spawning gloo ranks."""
+fails on cue, malloc's bytes in use, and spawning gloo ranks (and what a
+spawned rank saves)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import ctypes
 import os
 import subprocess
 import sys
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,3 +87,23 @@ def spawn_ranks(worker: str, world: int, cases: list, tmp: Path, timeout: float 
         assert "ok" in res, res.get("error")
         out.append(res["ok"])
     return out
+
+
+@contextmanager
+def rank_results(out_path: str):
+    """A spawned rank's body (``spawn_ranks``): yields the list the rank
+    fills with its cases' results and saves it as ``{"ok": results}`` to
+    ``out_path``, or ``{"error": traceback}`` if the body raises (then
+    re-raised); the process group is destroyed either way."""
+    import torch
+    import torch.distributed as dist
+
+    results: list = []
+    try:
+        yield results
+        torch.save({"ok": results}, out_path)
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, out_path)
+        raise
+    finally:
+        dist.destroy_process_group()
