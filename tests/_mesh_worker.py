@@ -33,7 +33,7 @@ def _pipe(case: dict, model: nn.Sequential, mesh=None):
     from fastpipe import Pipe
 
     return Pipe(model, chunks=case["chunks"], schedule=case["schedule"], mesh=mesh,
-                stages_per_rank=SPR.get(case["schedule"]), timeout=60,
+                balance=case.get("balance"), stages_per_rank=SPR.get(case["schedule"]), timeout=60,
                 shm=case.get("shm", False), fused_wgrad=case.get("fused", True))
 
 
