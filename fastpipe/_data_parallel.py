@@ -161,17 +161,18 @@ class GradAverage:
 
 
 def check_weights(ties: Sequence, rank: int, held: Mapping[str, Any], group: dist.ProcessGroup,
-                  dp_group: dist.ProcessGroup | None, device: torch.device) -> None:
+                  dp_group: dist.ProcessGroup | None, device: torch.device,
+                  problem: str | None = None) -> None:
     """Copies of one tensor on several ranks must hold the same values: a
     parameter tied across pipeline ranks (``ties``, compared over ``group``),
     and this rank's stages' entries ``held`` across data-parallel replicas
     (over ``dp_group``). Collective over both groups; every rank raises, or
-    none.
+    none. ``problem``: one this rank found already, raised first.
 
     Raises:
         ValueError: naming the tensor and the ranks, and how to fix it.
     """
-    problems = []
+    problems = [problem]
     if ties:
         named = [(t.name, t.param if rank in t.ranks else None) for t in ties]
         problems.append(differing(named, group, device, "pipeline ranks sharing a parameter"))

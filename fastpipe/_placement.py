@@ -17,7 +17,7 @@ from torch import nn
 from fastpipe import _args
 from fastpipe._args import Settings
 from fastpipe._dist_run import ranks_agree
-from fastpipe._stages import build_stages, free_remote, meta_problem
+from fastpipe._stages import Fresh, build_stages, free_remote, meta_problem, unwritten
 from fastpipe._ties import LocalTies, TiedGrads, check_local, find_ties
 from fastpipe.runtime.executor import Stage, last_backward
 
@@ -49,6 +49,9 @@ class Placement:
         self.tied: TiedGrads | None = None
         self.local_ties: LocalTies | None = None
         self.layers: tuple[nn.Module, ...] = ()
+        # Tensors made from a model built on meta, until the first step
+        # finds them all written (check_weights).
+        self.fresh: list[Fresh] = []
         if cfg.balance is not None:
             self._find_ties(cfg.balance)
         if cfg.recompute == "selective":  # changes the user's model in place: after every check
@@ -191,22 +194,42 @@ class Placement:
         ranks_agree(mine, self.problem or cfg.switches.problem, groups)
 
     def check_weights(self) -> None:
-        """Copies of one tensor on several ranks (a parameter tied across
-        ranks; a rank's stages across data-parallel replicas) must hold the
-        same values. Collective over the pipeline group and the dp group;
-        every rank raises, or none.
+        """Before the first step: every tensor made from a model built on
+        meta has been written, and copies of one tensor on several ranks (a
+        parameter tied across ranks; a rank's stages across data-parallel
+        replicas) hold the same values. Collective over the pipeline group
+        and the dp group in distributed mode; every rank raises, or none.
 
         Raises:
-            ValueError: naming the tensor and the ranks, and how to fix it.
+            ValueError: naming the tensor (and the ranks), and how to fix it.
         """
         from fastpipe._data_parallel import check_weights
         from fastpipe._state import held_state_dict
 
         cfg = self.cfg
-        tied = self.tied.ties if self.tied is not None else []
-        held = held_state_dict(self.model, self.held_layers(), keep_vars=True) \
-            if cfg.dp_group is not None else {}
-        check_weights(tied, cfg.rank, held, cfg.group, cfg.dp_group, cfg.devices[cfg.rank])
+        problem = self._unwritten_problem()
+        if not cfg.distributed:
+            if problem is not None:
+                raise ValueError(problem)
+        else:
+            tied = self.tied.ties if self.tied is not None else []
+            held = held_state_dict(self.model, self.held_layers(), keep_vars=True) \
+                if cfg.dp_group is not None else {}
+            check_weights(tied, cfg.rank, held, cfg.group, cfg.dp_group, cfg.devices[cfg.rank],
+                          problem)
+        self.fresh = []
+
+    def _unwritten_problem(self) -> str | None:
+        names = unwritten(self.fresh)
+        if not names:
+            return None
+        where = f"pipeline rank {self.cfg.rank}: " if self.cfg.distributed else ""
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        return (f"{where}{names[0]}{more} came from the meta device empty and nothing has "
+                "written them: load the values (pipe.load_state_dict, or "
+                "torch.distributed.checkpoint.load into pipe.state_dict()) or initialize them "
+                "in place (nn.init, copy_ under torch.no_grad(); a write through .data is not "
+                "seen) before the first step")
 
     def grad_average(self, lowered):
         """The data-parallel averaging of this rank's gradients over
@@ -249,8 +272,9 @@ class Placement:
 
     def _build(self) -> dict[int, dict[int, Stage]]:
         cfg = self.cfg
-        stages, self.problem = build_stages(list(self.model), self.ranges(), cfg.schedule.stage_to_rank,
-                                            self.ranks(), cfg.devices, cfg.switches.chains)
+        stages, self.problem, self.fresh = build_stages(
+            list(self.model), self.ranges(), cfg.schedule.stage_to_rank, self.ranks(), cfg.devices,
+            cfg.switches.chains)
         self.layers = tuple(self.model)  # what the stages hold (see Pipe._split_inputs)
         across = [t for t in self.ties if len(t.ranks) > 1]
         if not cfg.distributed and across and self.problem is None:

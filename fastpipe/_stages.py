@@ -1,42 +1,117 @@
 """A Pipe's stages: which layers each holds, on which device, and what a
-distributed rank keeps of the layers other ranks run (``free_remote``)."""
+distributed rank keeps of the layers other ranks run (``free_remote``).
+
+A model built on the meta device (``with torch.device("meta"):``) has no
+data anywhere; each process makes only its own stages' tensors, empty, on
+their devices (``materialize``), so no rank ever holds the whole model. The
+caller then writes them (a checkpoint, an initialization); ``unwritten``
+tells the first step which ones nobody has written yet.
+"""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from fastpipe.runtime.executor import Stage
 
-__all__ = ["build_stages", "changed_layer", "free_remote", "meta_problem", "to_meta"]
+__all__ = ["Fresh", "build_stages", "changed_layer", "free_remote", "materialize", "meta_problem",
+           "to_meta", "unwritten"]
+
+# Marks the meta tensors free_remote put in place of data it freed: never
+# materialized again (their values are gone), unlike those of a model built
+# on meta.
+_RELEASED = "_fastpipe_released"
+
+
+class Fresh(NamedTuple):
+    """A tensor ``materialize`` made: where it is, and what it was then (by
+    id, not a reference: a load with ``assign=True`` must free it)."""
+
+    name: str  # the model's name for it ("3.weight")
+    module: nn.Module
+    attr: str
+    tensor_id: int
+    version: int
+    data_ptr: int
 
 
 def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_rank: Sequence[int],
                  ranks: Sequence[int], devices: Sequence[torch.device], chains: str = "on"
-                 ) -> tuple[dict[int, dict[int, Stage]], str | None]:
-    """``({rank: {stage: Stage}}, problem)`` for the ranks ``ranks`` (this
-    process's), each stage's layers moved to its rank's device. A layer
-    holding meta tensors (no data: released by an earlier ``free_remote``
-    Pipe, or never materialized) is not moved; ``problem`` says which, for
-    the caller to raise on every rank. ``chains``: as ``Stage.chains``."""
+                 ) -> tuple[dict[int, dict[int, Stage]], str | None, list[Fresh]]:
+    """``({rank: {stage: Stage}}, problem, fresh)`` for the ranks ``ranks``
+    (this process's), each stage's layers moved to its rank's device. Meta
+    tensors of a model built on meta are made there first (``materialize``;
+    ``fresh`` lists them); a layer holding tensors ``free_remote`` released
+    is not moved, and ``problem`` says which, for the caller to raise on
+    every rank. ``chains``: as ``Stage.chains``."""
     problem = None
+    fresh: list[Fresh] = []
     stages: dict[int, dict[int, Stage]] = {}
     for rank in ranks:
         held = {}
         for s, owner in enumerate(stage_to_rank):
             if owner != rank:
                 continue
-            found = meta_problem(layers, ranges[s])
+            found = meta_problem(layers, ranges[s], released_only=True)
             if found is not None:
                 problem = found
                 continue
+            fresh += materialize(layers, ranges[s], devices[rank])
             part = nn.Sequential(*(layers[i] for i in ranges[s])).to(devices[rank])
             held[s] = Stage(s, part, devices[rank], chains, ranges[s])
         stages[rank] = held
-    return stages, problem
+    return stages, problem, fresh
+
+
+def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: torch.device) -> list[Fresh]:
+    """Makes every meta tensor of ``layers[indices]`` an empty tensor on
+    ``device`` of the same shape, dtype and ``requires_grad``, in place
+    (``torch.utils.swap_tensors``: the Parameter objects stay the ones the
+    model and the caller hold, and a tensor two layers share stays one).
+    Its values are whatever the memory held: ``unwritten`` finds those that
+    nothing has written since."""
+    made: dict[int, torch.Tensor] = {}
+    fresh = []
+    for i in indices:
+        for prefix, module in layers[i].named_modules(remove_duplicate=False):
+            for table in (module._parameters, module._buffers):
+                for attr, t in table.items():
+                    if t is None or not t.is_meta:
+                        continue
+                    if id(t) not in made:
+                        new = torch.empty_like(t, device=device)
+                        if isinstance(t, nn.Parameter):
+                            new = nn.Parameter(new, requires_grad=t.requires_grad)
+                        try:
+                            torch.utils.swap_tensors(t, new)
+                        except RuntimeError as exc:
+                            raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta tensor "
+                                             f"{prefix + '.' if prefix else ''}{attr} cannot be made on "
+                                             f"{device} in place ({exc})") from exc
+                        made[id(t)] = t
+                        name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
+                        fresh.append(Fresh(name, module, attr, id(t), t._version, t.data_ptr()))
+    return fresh
+
+
+def unwritten(fresh: Sequence[Fresh]) -> list[str]:
+    """The names of the ``fresh`` tensors nothing has written: still in
+    their module, with the version and memory ``materialize`` gave them (an
+    in-place write such as ``copy_`` or ``nn.init`` moves the version; a
+    load with ``assign=True`` puts another tensor there). A write through
+    ``.data`` is not seen: it bypasses the version counter."""
+    out = []
+    for f in fresh:
+        now = f.module._parameters.get(f.attr, f.module._buffers.get(f.attr))
+        if (now is not None and id(now) == f.tensor_id and now._version == f.version
+                and now.data_ptr() == f.data_ptr):
+            out.append(f.name)
+    return out
 
 
 def changed_layer(now: Sequence[nn.Module], built: Sequence[nn.Module]) -> str | None:
@@ -64,14 +139,23 @@ def free_remote(layers: Sequence[nn.Module], ranges: Sequence[range], mine: Sequ
                 to_meta(layers[i], keep)
 
 
-def meta_problem(layers: list[nn.Module], indices: Sequence[int]) -> str | None:
+def meta_problem(layers: list[nn.Module], indices: Sequence[int], released_only: bool = False
+                 ) -> str | None:
     """What is wrong when one of ``layers[indices]`` holds meta tensors (no
-    data to compute with), or None."""
+    data to compute with), or None. ``released_only``: only tensors
+    ``free_remote`` released count (a model built on meta is materialized)."""
     for i in indices:
-        if any(t.is_meta for t in itertools.chain(layers[i].parameters(), layers[i].buffers())):
+        tensors = itertools.chain(layers[i].parameters(), layers[i].buffers())
+        if any(getattr(t, _RELEASED, False) for t in tensors if t.is_meta):
             return (f"layer {i} ({type(layers[i]).__name__}) has tensors on the meta device (no "
-                    "data), e.g. released by an earlier Pipe with free_remote=True; build the "
-                    "model again (or materialize it) before this Pipe")
+                    "data), released by an earlier Pipe with free_remote=True; build the model "
+                    "again (or load its values into a model built on the meta device) before "
+                    "this Pipe")
+        if not released_only and any(t.is_meta for t in itertools.chain(
+                layers[i].parameters(), layers[i].buffers())):
+            return (f"layer {i} ({type(layers[i]).__name__}) is on the meta device (no data): "
+                    "balance='auto' and fastpipe.plan time every layer on real data; give the "
+                    "balance (layers per stage) for a model built on the meta device")
     return None
 
 
@@ -92,8 +176,12 @@ def to_meta(module: nn.Module, keep: set[int] = frozenset()) -> None:
 
 
 def _meta_tensor(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t, device="meta")
+    out = torch.empty_like(t, device="meta")
+    setattr(out, _RELEASED, True)
+    return out
 
 
 def _meta_parameter(p: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(_meta_tensor(p), requires_grad=p.requires_grad)
+    out = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    setattr(out, _RELEASED, True)
+    return out

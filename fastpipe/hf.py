@@ -62,7 +62,8 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
     layers get transformers' own mask). The head is the model's output
     embeddings (``get_output_embeddings()``).
     The members hold the model's own modules (each layer gets a copy of the
-    buffer-only rotary embedding): parameters are shared, ties stay ties,
+    buffer-only rotary embedding, made from the config on the CPU for a
+    model built on the meta device): parameters are shared, ties stay ties,
     names keep transformers' attributes (``0.wte.weight``, ...).
 
     Input: ``input_ids`` (batch, seq), or ``(input_ids, attention_mask)``
@@ -108,7 +109,7 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
     count = getattr(config, "num_hidden_layers", len(layers))
     members = [embed]
     for i, layer in enumerate(layers[:count]):
-        own = copy.deepcopy(rotary, memo={id(config): config}) if rotary is not None else None
+        own = _own_rotary(rotary, config) if rotary is not None else None
         members.append(_DecoderLayer(layer, config, _mask_function(masking, config, i, name), own))
     seq = nn.Sequential(*members, _FinalNorm(norm_name, getattr(base, norm_name)),
                         _Head(head_name, getattr(model, head_name)))
@@ -332,6 +333,27 @@ class _MaskCall:
 
 
 # --- the safety net ---------------------------------------------------------------
+
+
+def _own_rotary(rotary: nn.Module, config: Any) -> nn.Module:
+    """A layer's own copy of the base model's rotary embedding, which holds
+    only buffers computed from the config. For a model built on the meta
+    device it is made anew from the config on the CPU (where its class
+    takes the config alone and makes the same buffers): no checkpoint holds
+    those buffers (``persistent=False``), so nothing would write them once
+    a Pipe made the layer's tensors."""
+    if any(b.is_meta for b in rotary.buffers()):
+        try:
+            with torch.device("cpu"):
+                own = type(rotary)(config)
+        except TypeError:
+            own = None
+        shapes = lambda m: {n: b.shape for n, b in m.named_buffers()}  # noqa: E731
+        if own is not None and shapes(own) == shapes(rotary) and set(own._buffers) == set(shapes(own)):
+            for n, b in rotary.named_buffers():  # in the model's dtypes (a .double() casts them)
+                own._buffers[n] = own._buffers[n].to(b.dtype)
+            return own
+    return copy.deepcopy(rotary, memo={id(config): config})
 
 
 def _check(model: nn.Module, seq: nn.Sequential, name: str) -> None:

@@ -58,7 +58,13 @@ class Pipe(nn.Module):
     saves and reshards).
 
     Args:
-        model: the ``nn.Sequential`` to split.
+        model: the ``nn.Sequential`` to split. Built on the meta device
+            (``with torch.device("meta"):``), it holds no data: this
+            process makes its own stages' tensors on their devices, empty
+            (the same Parameter objects), and the first ``step`` or forward
+            raises ValueError (on every rank) until each was written, by a
+            load or an initialization in place (``balance="auto"`` cannot
+            time such a model).
         chunks: microbatches per step; the batch is split along dim 0 into
             exactly this many parts (sizes differ by at most one).
         schedule: a name from ``fastpipe.schedules.names()`` or a ``Schedule``.
@@ -168,8 +174,9 @@ class Pipe(nn.Module):
             cfg, self._lowered, self._forward_only)
         self.shm = self.distributed and self._runner.shm_link is not None
         self._grad_average = None  # GradAverage over dp_group, made with the stages
-        # Replicas and tied copies are compared before the first step (and after a load).
-        self._weights_checked = not self.distributed
+        # Replicas and tied copies are compared before the first step (and after
+        # a load); tensors made from a model built on meta must be written by then.
+        self._weights_checked = not self.distributed and not self._place.fresh
         self._recording: list | None = None  # set by step_with_timeline
         # A zero-bubble schedule given by name is reordered once for the
         # action costs measured in this training step (``_order_by_step``).
@@ -428,7 +435,7 @@ class Pipe(nn.Module):
         from fastpipe._state import load_held
 
         result = load_held(self.module, self._place.held_layers(), state_dict, strict, assign)
-        self._weights_checked = not self.distributed  # compared again before the next step
+        self._weights_checked = not self.distributed and not self._place.fresh  # again before the next step
         return result
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -502,6 +509,9 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if self._stages is None:
             self._split_by_time(x)
+        if not self._weights_checked:
+            self._place.check_weights()
+            self._weights_checked = True
         inputs, _, refused = self._split_inputs(x, None)
         results = self._run(self._forward_only, inputs, None, None, train=False, refuse=refused)
         if not results:

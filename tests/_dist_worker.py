@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -41,7 +42,8 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                 if pairs is None:  # every rank makes every subgroup, in the same order
                     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
                 group = pairs[rank // 2]
-            model = getattr(models, case["model"])()
+            with torch.device("meta") if case.get("meta") else contextlib.nullcontext():
+                model = getattr(models, case["model"])()
             # balance="auto" sees W at a quarter of F (made up, so the order it picks is certain).
             restore = _profile_cheap_w() if case.get("cheap_w") else (lambda: None)
             seen = []  # forced_order: what the reorder after the second step was given
@@ -60,6 +62,13 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
             assert pipe.fused_wgrad is case.get("fused", True), "B defers by default"
             loss_fn = models.loss_of(case)
+            unwritten = None
+            if case.get("meta"):  # built on meta: refused until written, then given the seeded values
+                try:
+                    pipe.step(*case["batches"][0], loss_fn)
+                except ValueError as exc:
+                    unwritten = str(exc)
+                pipe.load_state_dict(getattr(models, case["model"])().state_dict())
             losses, outs, rings, p2p, input_grads = [], [], [], [], []
             del _SIZES[:]
             for x, y in case["batches"]:
@@ -87,7 +96,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                     refused = str(exc)
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
                             "input_grads": input_grads, "norm": norm, "order": pipe.schedule.actions,
-                            "meta": meta, "refused": refused,
+                            "meta": meta, "refused": refused, "unwritten": unwritten,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
                             "staged": pipe._runner.shm_link[0].staged_total if pipe.shm else 0,
                             "measured": seen})

@@ -19,9 +19,11 @@ def _tied():
 
 
 def _meta_last():
-    """mlp() whose last layer has no data (as a free_remote Pipe leaves it)."""
+    """mlp() whose last layer has no data, as a free_remote Pipe leaves it."""
+    from fastpipe._stages import to_meta
+
     model = mlp()
-    model[5].to_empty(device="meta")
+    to_meta(model[5])
     return model
 
 

@@ -174,6 +174,32 @@ def test_the_check_restores_training_flags_and_skips_meta():
     assert causal_lm(meta)[1].layer.mlp.up_proj.weight.is_meta  # no check, no failure
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_built_on_meta_loads_by_its_own_names_and_trains(family):
+    """Built on the meta device: each layer's rotary embedding is made from
+    the config (no checkpoint holds its buffers), the Pipe makes the
+    stages' tensors, and the model's own state dict loaded into the model
+    itself writes them in place: the step is the model's own."""
+    with torch.device("meta"):
+        hf = BUILDERS[family]()
+        model = causal_lm(hf)
+    rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    assert all(not b.is_meta for m in rotary for b in m.buffers())
+    assert len(rotary) == (len(model) - 3 if family == "llama" else 0)  # one per layer
+    pipe = Pipe(model, chunks=CHUNKS, schedule="zbv", devices=["cpu", "cpu"], balance=[1, 2, 2, 2])
+    try:
+        ref = BUILDERS[family]()
+        hf.load_state_dict(ref.state_dict())
+        x, labels = models.hf_batch(8, padding="right")
+        loss = pipe.step(x, labels, lm_loss)
+        want_loss, want = _hf_reference(ref, x, labels, CHUNKS)
+        torch.testing.assert_close(loss, want_loss)
+        for name, p in hf.named_parameters():
+            torch.testing.assert_close(p.grad, want[name], msg=name)
+    finally:
+        pipe.close()
+
+
 def test_unsupported_models_are_named():
     import transformers
 

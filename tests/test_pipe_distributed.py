@@ -198,6 +198,28 @@ def test_free_remote_keeps_only_the_local_stages(tmp_path):
                             refused.pop())
 
 
+@pytest.mark.timeout(300)
+def test_a_model_built_on_meta_makes_only_the_local_stages(tmp_path):
+    """A model built under torch.device("meta"): each rank makes its own
+    stages' tensors (the others stay meta), the first step is refused on
+    every rank until they are written, and after a load the gradients and
+    outputs are the unsplit model's; a tie across ranks is compared then."""
+    cases = [
+        _case("1f1b", steps=2, meta=True),
+        _case("zbv", model="tied_embedding_model", balance=[1, 2, 1, 2], meta=True, tied=True),
+        _case("zb-h2", model="gpt", chunks=8, lm=True, meta=True, **SHM),
+    ]
+    results = _spawn(2, cases, tmp_path)
+    _verify(cases, results)
+    for i, case in enumerate(cases):
+        names = {n for n, _ in getattr(models, case["model"])().named_parameters()}
+        for rank, got in enumerate(r[i] for r in results):
+            assert re.match(rf"pipeline rank {rank}: \S+ (and \d+ more )?came from the meta device "
+                            "empty and nothing has written them", got["unwritten"]), got["unwritten"]
+            held = names - set(got["meta"])
+            assert held and held < names, (case["schedule"], rank)  # its own stages only
+
+
 TIED = {"model": "tied_mlp", "tied": True, "steps": 2}  # layers 1 and 6 are one Linear
 TIED_EMBEDDING = {"model": "tied_embedding_model", "tied": True, "steps": 2}
 

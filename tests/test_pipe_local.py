@@ -385,6 +385,79 @@ def test_meta_swap_keeps_shapes_sharing_and_buffers():
     assert layer[0].weight is layer[2].weight and isinstance(layer[0].weight, nn.Parameter)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_model_built_on_meta_is_made_on_the_devices_and_refused_until_written(schedule):
+    """Built under torch.device("meta"): the stages' tensors are made on their
+    devices in place (the model's Parameter objects, a tie inside one rank
+    kept), a step or a forward before they are written names them, and once
+    loaded the step is the unsplit model's."""
+    from tests.models import gpt, gpt_batch, lm_loss, tied_embedding_model
+
+    x, y = gpt_batch(8)
+    with torch.device("meta"):
+        model = gpt()
+    params = list(model.parameters())
+    balance = [1, 2, 2, 1] if schedule == "zbv" else [3, 3]
+    pipe = Pipe(model, chunks=4, schedule=schedule, balance=balance, devices=["cpu", "cpu"],
+                stages_per_rank=SPR.get(schedule))
+    try:
+        assert list(model.parameters()) == params and all(p.device.type == "cpu" for p in params)
+        for call in (lambda: pipe.step(x, y, lm_loss), lambda: pipe(x)):
+            with pytest.raises(ValueError, match=r"^0\.tokens\.weight and \d+ more came from the meta "
+                                                 r"device empty and nothing has written them"):
+                call()
+        ref = gpt()
+        pipe.load_state_dict(ref.state_dict())
+        loss = pipe.step(x, y, lm_loss)
+        ref_loss, ref_grads = reference(ref, x, y, lm_loss, 4)
+        torch.testing.assert_close(loss, ref_loss)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(model.get_parameter(name).grad, g, msg=name)
+    finally:
+        pipe.close()
+    with torch.device("meta"):
+        tied = tied_embedding_model()
+    pipe = Pipe(tied, chunks=2, schedule="zbv", balance=[1, 2, 1, 2], devices=["cpu", "cpu"])
+    try:
+        assert tied[4].weight is tied[0].weight and not tied[0].weight.is_meta
+        with torch.no_grad():  # an initialization in place counts as written
+            for layer in tied:
+                if hasattr(layer, "reset_parameters"):
+                    layer.reset_parameters()
+        pipe.step(torch.randint(0, 11, (4, 3)), torch.randn(4, 3, 3, dtype=torch.float64), F.mse_loss)
+    finally:
+        pipe.close()
+    with torch.device("meta"):  # the tie across the two ranks (a replica on rank 1)
+        tied = tied_embedding_model()
+    pipe = Pipe(tied, chunks=2, schedule="1f1b", balance=[2, 4], devices=["cpu", "cpu"])
+    try:
+        ref = tied_embedding_model()
+        pipe.load_state_dict(ref.state_dict())
+        x, y = torch.randint(0, 11, (4, 3)), torch.randn(4, 3, 3, dtype=torch.float64)
+        loss = pipe.step(x, y, F.mse_loss)
+        ref_loss, ref_grads = reference(ref, x, y, F.mse_loss, 2)
+        torch.testing.assert_close(loss, ref_loss)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(tied.get_parameter(name).grad, g, msg=name)
+    finally:
+        pipe.close()
+
+
+def test_a_model_on_meta_needs_a_balance():
+    from fastpipe import plan
+
+    with torch.device("meta"):
+        model = mlp()
+    message = r"layer 0 \(Linear\) is on the meta device \(no data\): balance='auto' and fastpipe.plan"
+    pipe = Pipe(model, chunks=2, schedule="1f1b", balance="auto", devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match=message):
+        pipe.step(torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64),
+                  F.mse_loss)
+    pipe.close()
+    with pytest.raises(ValueError, match=message):
+        plan(model, torch.randn(4, 5, dtype=torch.float64), ranks=2, chunks=[2])
+
+
 @pytest.mark.parametrize("copies", [False, True], ids=["handover", "copy-lanes"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv"])
 def test_a_step_leaves_no_reference_cycles(schedule, copies, monkeypatch):

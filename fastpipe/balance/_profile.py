@@ -276,6 +276,11 @@ def profile(
     """
     if not isinstance(model, nn.Sequential) or len(model) == 0:
         raise TypeError(f"profile needs a non-empty nn.Sequential, got {type(model).__name__}")
+    from fastpipe._stages import meta_problem
+
+    problem = meta_problem(list(model), range(len(model)))
+    if problem is not None:
+        raise ValueError(problem)
     device = torch.device(device)
     model.to(device)
     window = len(model) if window is None else window
