@@ -7,9 +7,10 @@ pipeline, each on its half of every batch. On CPUs (gloo):
     torchrun --nproc-per-node 4 examples/hf_dp_pp.py --dp 2 --steps 60 --checkpoint ckpt --resume
 
 On GPUs the same command uses NCCL, one GPU per process. The second command
-starts a new process group, loads the model and AdamW state saved at step 50
-with torch.distributed.checkpoint, and trains steps 50-59 again: its losses
-are the first run's. The checkpoint also loads into another layout (another
+starts a new process group, builds the model on the meta device (each rank
+then makes only its own stages), loads the model and AdamW state saved at
+step 50 with torch.distributed.checkpoint, and trains steps 50-59 again:
+its losses are the first run's. The checkpoint also loads into another layout (another
 --dp, --schedule or number of processes) or into the plain model.
 
 The model is built from a small config (no download); the data are
@@ -20,6 +21,7 @@ different lengths, so the loss has something to learn.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -93,7 +95,10 @@ def main() -> None:
     mesh = init_device_mesh("cuda" if cuda else "cpu", (args.dp, world // args.dp),
                             mesh_dim_names=("dp", "pp"))
 
-    hf = build_model(args.model, args.vocab, args.layers, args.width)
+    # A resume needs no initial weights: built on the meta device, each rank
+    # makes only its own stages' tensors, which the checkpoint then fills.
+    with torch.device("meta") if args.resume else contextlib.nullcontext():
+        hf = build_model(args.model, args.vocab, args.layers, args.width)
     pipe = Pipe(causal_lm(hf), chunks=args.chunks, schedule=args.schedule, mesh=mesh,
                 stages_per_rank=V_SHAPED.get(args.schedule))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)  # this rank's parameters
