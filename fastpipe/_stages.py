@@ -48,7 +48,8 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
     tensors of a model built on meta are made there first (``materialize``;
     ``fresh`` lists them); a layer holding tensors ``free_remote`` released
     is not moved, and ``problem`` says which, for the caller to raise on
-    every rank. ``chains``: as ``Stage.chains``."""
+    every rank (so is one that ``materialize`` cannot make). ``chains``: as
+    ``Stage.chains``."""
     problem = None
     fresh: list[Fresh] = []
     stages: dict[int, dict[int, Stage]] = {}
@@ -61,7 +62,11 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
             if found is not None:
                 problem = found
                 continue
-            fresh += materialize(layers, ranges[s], devices[rank])
+            try:
+                fresh += materialize(layers, ranges[s], devices[rank])
+            except ValueError as exc:  # raised on every rank by the caller
+                problem = str(exc)
+                continue
             part = nn.Sequential(*(layers[i] for i in ranges[s])).to(devices[rank])
             held[s] = Stage(s, part, devices[rank], chains, ranges[s])
         stages[rank] = held
@@ -75,7 +80,7 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
     model and the caller hold, and a tensor two layers share stays one).
     Its values are whatever the memory held: ``unwritten`` finds those that
     nothing has written since."""
-    made: dict[int, torch.Tensor] = {}
+    made: set[int] = set()  # ids of the tensors made (a shared one is met again)
     fresh = []
     for i in indices:
         for prefix, module in layers[i].named_modules(remove_duplicate=False):
@@ -93,7 +98,7 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                             raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta tensor "
                                              f"{prefix + '.' if prefix else ''}{attr} cannot be made on "
                                              f"{device} in place ({exc})") from exc
-                        made[id(t)] = t
+                        made.add(id(t))
                         name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
                         fresh.append(Fresh(name, module, attr, id(t), t._version, t.data_ptr()))
     return fresh
