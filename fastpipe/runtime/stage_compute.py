@@ -302,7 +302,7 @@ class StageCompute:
             pending = deferred.Pending()
         # Autograd's saved tensors went with I: the microbatch now holds
         # what W reads (``Pending.nbytes``), the same for the same shapes.
-        shape_key = ("W", saved.chain is not None, a.stage in self._defers,
+        shape_key = ("W", saved.chain is not None, a.stage in self._defers, bool(saved.grads),
                      *[(t.shape, t.dtype) for t in saved.leaves])
         held = self.stages[a.stage].saved_bytes.get(shape_key)
         if held is None:
