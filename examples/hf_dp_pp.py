@@ -96,11 +96,12 @@ def main() -> None:
                             mesh_dim_names=("dp", "pp"))
 
     # A resume needs no initial weights: built on the meta device, each rank
-    # makes only its own stages' tensors, which the checkpoint then fills.
+    # makes only its own stages' tensors, which the checkpoint then fills
+    # (causal_lm's check needs real weights: the first run made it).
     with torch.device("meta") if args.resume else contextlib.nullcontext():
         hf = build_model(args.model, args.vocab, args.layers, args.width)
-    pipe = Pipe(causal_lm(hf), chunks=args.chunks, schedule=args.schedule, mesh=mesh,
-                stages_per_rank=V_SHAPED.get(args.schedule))
+    pipe = Pipe(causal_lm(hf, check=not args.resume), chunks=args.chunks, schedule=args.schedule,
+                mesh=mesh, stages_per_rank=V_SHAPED.get(args.schedule))
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=args.lr)  # this rank's parameters
 
     step = 0

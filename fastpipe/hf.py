@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -74,7 +75,8 @@ def causal_lm(model: nn.Module, *, check: bool = True) -> nn.Sequential:
         model: a transformers causal LM (``...ForCausalLM``, ``GPT2LMHeadModel``).
         check: run the model and the Sequential once (eval mode, no grad)
             and refuse a model whose forward does more than the standard
-            pieces (scaled embeddings, soft-capped logits); not on meta.
+            pieces (scaled embeddings, soft-capped logits); on the meta
+            device it cannot run, and a UserWarning says so.
 
     Returns:
         The ``nn.Sequential``.
@@ -359,7 +361,13 @@ def _own_rotary(rotary: nn.Module, config: Any) -> nn.Module:
 def _check(model: nn.Module, seq: nn.Sequential, name: str) -> None:
     """Raises ValueError if ``seq`` and ``model`` disagree on a small padded batch."""
     weight = next(model.parameters(), None)
-    if weight is None or weight.is_meta:
+    if weight is None:
+        return
+    if weight.is_meta:
+        warnings.warn(f"causal_lm: {name} is on the meta device, so its output could not be "
+                      "compared with the Sequential's (a forward that scales or caps the logits "
+                      "would go unnoticed); run causal_lm once on a small instance of the same "
+                      "class with real weights to check it, or pass check=False", stacklevel=3)
         return
     vocab = getattr(seq[-1].head, "out_features", None) or model.config.vocab_size
     ids = torch.randint(vocab, (2, 8), generator=torch.Generator().manual_seed(0)).to(weight.device)

@@ -171,7 +171,8 @@ def test_the_check_restores_training_flags_and_skips_meta():
     assert model[3].layer.training and not model[2].layer.training  # shared: the same modules
     with torch.device("meta"):
         meta = models.hf_llama_lm()
-    assert causal_lm(meta)[1].layer.mlp.up_proj.weight.is_meta  # no check, no failure
+    with pytest.warns(UserWarning, match="is on the meta device, so its output could not be compared"):
+        assert causal_lm(meta)[1].layer.mlp.up_proj.weight.is_meta  # no check, no failure
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -182,7 +183,7 @@ def test_a_model_built_on_meta_loads_by_its_own_names_and_trains(family):
     itself writes them in place: the step is the model's own."""
     with torch.device("meta"):
         hf = BUILDERS[family]()
-        model = causal_lm(hf)
+        model = causal_lm(hf, check=False)  # nothing to compare on meta
     rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     assert all(not b.is_meta for m in rotary for b in m.buffers())
     assert len(rotary) == (len(model) - 3 if family == "llama" else 0)  # one per layer
