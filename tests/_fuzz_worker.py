@@ -3,6 +3,7 @@ rank steps every case twice and saves its losses, its ``.grad`` and x.grad."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -24,11 +25,14 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             os.environ["FASTPIPE_EXACT_MESSAGES"] = "1" if case["transport"] == "exact" else "0"
             os.environ["FASTPIPE_CHAIN"] = case["chains"]
             x, y = mixed_case_data(case)
-            model = mixed_model(case["kinds"], case["seed"])
+            with torch.device("meta") if case["meta"] else contextlib.nullcontext():
+                model = mixed_model(case["kinds"], case["seed"])
             pipe = Pipe(model, chunks=case["chunks"], schedule=case["schedule"],
                         balance=case["balance"], stages_per_rank=case["v"],
                         checkpoint=case["checkpoint"], fused_wgrad=case["fused"], timeout=60,
                         shm=case["transport"] == "shm", overlap=case["transport"] == "lanes")
+            if case["meta"]:  # this rank's stages only: the others stay meta
+                pipe.load_state_dict(mixed_model(case["kinds"], case["seed"]).state_dict())
             steps = []
             for _ in range(2):
                 loss = pipe.step(x, y, nn.functional.mse_loss)

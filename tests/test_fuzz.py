@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -107,7 +108,8 @@ def _mixed_case(pick, ranks: int) -> dict:
                 rows=pick("rows", range(chunks, chunks + 4)),
                 checkpoint=pick("checkpoint", ["never", "always", "except_last"]),
                 fused=pick("fused", [True, False]), input_grad=pick("input_grad", [False, True]),
-                chains=pick("chains", ["1", "0"]), seed=pick("seed", range(2**16)))
+                chains=pick("chains", ["1", "0"]), meta=pick("meta", [False, True]),
+                seed=pick("seed", range(2**16)))
 
 
 def mixed_case_data(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,8 +141,11 @@ def mixed_pipelines(draw):
 def test_random_mixed_pipelines_match_sequential_over_two_steps(case):
     """Any split of mixed layers, any schedule, checkpointing, fused or
     autograd B, chains on or off: two steps' loss, ``.grad`` (None where the
-    unsplit model leaves None) and the input's gradient."""
-    model, (x, y) = mixed_model(case["kinds"], case["seed"]), mixed_case_data(case)
+    unsplit model leaves None) and the input's gradient; the model built on
+    the meta device and loaded, or as it is."""
+    with torch.device("meta") if case["meta"] else contextlib.nullcontext():
+        model = mixed_model(case["kinds"], case["seed"])
+    x, y = mixed_case_data(case)
     before = os.environ.get("FASTPIPE_CHAIN")
     os.environ["FASTPIPE_CHAIN"] = case["chains"]  # read when the Pipe is built
     try:
@@ -153,6 +158,8 @@ def test_random_mixed_pipelines_match_sequential_over_two_steps(case):
         else:
             os.environ["FASTPIPE_CHAIN"] = before
     try:
+        if case["meta"]:
+            pipe.load_state_dict(mixed_model(case["kinds"], case["seed"]).state_dict())
         got = []
         for _ in range(2):
             loss = pipe.step(x, y, nn.functional.mse_loss)
