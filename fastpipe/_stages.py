@@ -73,7 +73,8 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
     return stages, problem, fresh
 
 
-def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: torch.device) -> list[Fresh]:
+def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: torch.device
+                ) -> list[Fresh]:
     """Makes every meta tensor of ``layers[indices]`` an empty tensor on
     ``device`` of the same shape, dtype and ``requires_grad``, in place
     (``torch.utils.swap_tensors``: the Parameter objects stay the ones the
@@ -92,14 +93,14 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                         new = torch.empty_like(t, device=device)
                         if isinstance(t, nn.Parameter):
                             new = nn.Parameter(new, requires_grad=t.requires_grad)
+                        name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
                         try:
                             torch.utils.swap_tensors(t, new)
                         except RuntimeError as exc:
-                            raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta tensor "
-                                             f"{prefix + '.' if prefix else ''}{attr} cannot be made on "
-                                             f"{device} in place ({exc})") from exc
+                            raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta "
+                                             f"tensor {name} cannot be made on {device} in place "
+                                             f"({exc})") from exc
                         made.add(id(t))
-                        name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
                         fresh.append(Fresh(name, module, attr, id(t), t._version, t.data_ptr()))
     return fresh
 

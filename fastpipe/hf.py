@@ -350,12 +350,16 @@ def _own_rotary(rotary: nn.Module, config: Any) -> nn.Module:
                 own = type(rotary)(config)
         except TypeError:
             own = None
-        shapes = lambda m: {n: b.shape for n, b in m.named_buffers()}  # noqa: E731
-        if own is not None and shapes(own) == shapes(rotary) and set(own._buffers) == set(shapes(own)):
+        want = _buffer_shapes(rotary)
+        if own is not None and _buffer_shapes(own) == want and not any("." in n for n in want):
             for n, b in rotary.named_buffers():  # in the model's dtypes (a .double() casts them)
                 own._buffers[n] = own._buffers[n].to(b.dtype)
             return own
     return copy.deepcopy(rotary, memo={id(config): config})
+
+
+def _buffer_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    return {n: b.shape for n, b in module.named_buffers()}
 
 
 def _check(model: nn.Module, seq: nn.Sequential, name: str) -> None:

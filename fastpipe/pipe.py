@@ -308,7 +308,8 @@ class Pipe(nn.Module):
         """Checks a step's arguments, makes the stages (``balance="auto"``) and
         compares copies (first step); ``(loss_fn, factor)``, scaled by ``scaler``."""
         if not torch.is_grad_enabled():
-            where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            where = ("torch.inference_mode()" if torch.is_inference_mode_enabled()
+                     else "torch.no_grad()")
             raise RuntimeError(f"Pipe.step needs autograd; it was called inside {where}")
         self._check_not_broken()
         if not callable(loss_fn):
@@ -435,7 +436,8 @@ class Pipe(nn.Module):
         from fastpipe._state import load_held
 
         result = load_held(self.module, self._place.held_layers(), state_dict, strict, assign)
-        self._weights_checked = not self.distributed and not self._place.fresh  # again before the next step
+        # Compared again before the next step.
+        self._weights_checked = not self.distributed and not self._place.fresh
         return result
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
