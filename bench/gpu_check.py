@@ -588,13 +588,14 @@ def section_grads() -> None:
     from fastpipe import Pipe
     from fastpipe.schedules import names
 
-    def model(seed: int = 0) -> nn.Sequential:
+    def model(seed: int = 0, device: str = DEV) -> nn.Sequential:
         torch.manual_seed(seed)
-        layers: list[nn.Module] = [nn.Linear(5, 16)]
-        for i in range(6):
-            layers.append(nn.Tanh() if i % 2 else nn.Linear(16, 16))
-        layers.append(nn.Linear(16, 3))
-        return nn.Sequential(*layers).to(DEV, torch.float64)
+        with torch.device(device):
+            layers: list[nn.Module] = [nn.Linear(5, 16)]
+            for i in range(6):
+                layers.append(nn.Tanh() if i % 2 else nn.Linear(16, 16))
+            layers.append(nn.Linear(16, 3))
+        return nn.Sequential(*layers).to(device, torch.float64)
 
     devices = [DEV, DEV] if DEV == "cpu" else ["cuda:0", "cuda:0"]
     loss_fn = nn.functional.mse_loss
@@ -616,6 +617,26 @@ def section_grads() -> None:
                        + [(p.grad - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters())])
             check(f"{name} checkpoint={checkpoint}: loss and gradients equal the unsplit model's",
                   diff < 1e-10, f"max abs diff {diff:.1e}")
+    # Built on the meta device: the Pipe makes each stage's tensors on the
+    # GPU, refuses to step until they are written, then trains as the model.
+    for name in ("1f1b", "zbv"):
+        m, x = model(device="meta"), x0.clone().requires_grad_()
+        pipe = Pipe(m, chunks=chunks, schedule=name, devices=devices)
+        try:
+            pipe.step(x, y, loss_fn)
+            refused = False
+        except ValueError:
+            refused = True
+        pipe.load_state_dict(model().state_dict())
+        loss = pipe.step(x, y, loss_fn)
+        pipe.close()
+        _sync()
+        diff = max([abs(loss.item() - want_loss.item()), (x.grad - x_ref.grad).abs().max().item()]
+                   + [(p.grad - q.grad).abs().max().item() for p, q in zip(m.parameters(), ref.parameters())])
+        on = {p.device.type for p in m.parameters()}
+        check(f"{name} built on meta: made on {sorted(on)}, refused until loaded, then the unsplit "
+              "model's gradients", refused and on == {torch.device(DEV).type} and diff < 1e-10,
+              f"refused {refused}, max abs diff {diff:.1e}")
 
 
 # --- syncs ------------------------------------------------------------------------

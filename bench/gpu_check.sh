@@ -3,9 +3,9 @@
 # extensions there (with the CUDA backend and fastpipe._chain), run the native
 # ring's tests, then every CUDA figure and check in bench/gpu_check.py (ring,
 # Pipes rebuilt over one model, packing, a 200-step soak, no host sync inside a
-# step, the GPT's step times
-# and memory on 2 local ranks on cuda:0, gradients of every schedule on the
-# GPU, Triton kernels, a 2-rank local MLP pipeline, selective recompute).
+# step, the GPT's step times and memory on 2 local ranks on cuda:0, gradients
+# of every schedule on the GPU and of a model built on the meta device, Triton
+# kernels, a 2-rank local MLP pipeline, selective recompute).
 #
 #   bash bench/gpu_check.sh            # PYTHON=python3 by default
 #   SECTIONS="ring local" bash bench/gpu_check.sh
