@@ -180,11 +180,11 @@ def check_weights(ties: Sequence, rank: int, held: Mapping[str, Any], group: dis
         named = [(n, t) for n, t in held.items() if isinstance(t, torch.Tensor)]
         problems.append(differing(named, dp_group, device, "data-parallel replicas"))
     problem = next((p for p in problems if p), None)
-    for g in (group, dp_group):  # what one rank found, every rank raises
-        if g is not None:
-            everyone: list = [None] * dist.get_world_size(g)
-            dist.all_gather_object(everyone, problem, group=g)
-            problem = next((p for p in everyone if p), None)
+    # What one rank found, every rank raises (group None: the world).
+    for g in (group, dp_group) if dp_group is not None else (group,):
+        everyone: list = [None] * dist.get_world_size(g)
+        dist.all_gather_object(everyone, problem, group=g)
+        problem = next((p for p in everyone if p), None)
     if problem is not None:
         raise ValueError(problem)
 

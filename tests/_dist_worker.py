@@ -62,12 +62,18 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
             assert pipe.shm == bool(case.get("shm")), "the shared-memory path was not taken"
             assert pipe.fused_wgrad is case.get("fused", True), "B defers by default"
             loss_fn = models.loss_of(case)
-            unwritten = None
+            unwritten = partly = None
             if case.get("meta"):  # built on meta: refused until written, then given the seeded values
                 try:
                     pipe.step(*case["batches"][0], loss_fn)
                 except ValueError as exc:
                     unwritten = str(exc)
+                if rank == 0:  # rank 0 alone written: every rank must still refuse
+                    pipe.load_state_dict(getattr(models, case["model"])().state_dict())
+                try:
+                    pipe.step(*case["batches"][0], loss_fn)
+                except ValueError as exc:
+                    partly = str(exc)
                 pipe.load_state_dict(getattr(models, case["model"])().state_dict())
             losses, outs, rings, p2p, input_grads = [], [], [], [], []
             del _SIZES[:]
@@ -96,7 +102,7 @@ def run(rank: int, world: int, init: str, cases: list[dict], out_path: str) -> N
                     refused = str(exc)
             results.append({"losses": losses, "grads": grads, "outs": outs, "rings": rings, "p2p": p2p,
                             "input_grads": input_grads, "norm": norm, "order": pipe.schedule.actions,
-                            "meta": meta, "refused": refused, "unwritten": unwritten,
+                            "meta": meta, "refused": refused, "unwritten": unwritten, "partly": partly,
                             "flow_groups": len(_FLOW_GROUPS), "sizes": list(_SIZES),
                             "staged": pipe._runner.shm_link[0].staged_total if pipe.shm else 0,
                             "measured": seen})
