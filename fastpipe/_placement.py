@@ -219,17 +219,33 @@ class Placement:
                           problem)
         self.fresh = []
 
+    def check_written(self) -> None:
+        """``check_weights``' first half alone, for a forward: every tensor
+        made from a model built on meta has been written. Collective over
+        the pipeline group only in distributed mode (inference talks to no
+        other replica); every pipeline rank raises, or none.
+
+        Raises:
+            ValueError: naming the tensor, and how to fix it.
+        """
+        problem = self._unwritten_problem()
+        if self.cfg.distributed:
+            self._raise_on_all(problem)
+        elif problem is not None:
+            raise ValueError(problem)
+        self.fresh = []
+
     def _unwritten_problem(self) -> str | None:
         names = unwritten(self.fresh)
         if not names:
             return None
         where = f"pipeline rank {self.cfg.rank}: " if self.cfg.distributed else ""
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        return (f"{where}{names[0]}{more} came from the meta device empty and nothing has "
-                "written them: load the values (pipe.load_state_dict, or "
+        return (f"{where}{names[0]}{more} came from the meta device and nothing has written "
+                "them (they hold the NaN, or for integers the empty memory, they were made "
+                "with): load the values (pipe.load_state_dict, or "
                 "torch.distributed.checkpoint.load into pipe.state_dict()) or initialize them "
-                "in place (nn.init, copy_ under torch.no_grad(); a write through .data is not "
-                "seen) before the first step")
+                "(nn.init, reset_parameters() under torch.no_grad()) before the first step")
 
     def grad_average(self, lowered):
         """The data-parallel averaging of this rank's gradients over

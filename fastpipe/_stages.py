@@ -2,10 +2,10 @@
 distributed rank keeps of the layers other ranks run (``free_remote``).
 
 A model built on the meta device (``with torch.device("meta"):``) has no
-data anywhere; each process makes only its own stages' tensors, empty, on
-their devices (``materialize``), so no rank ever holds the whole model. The
-caller then writes them (a checkpoint, an initialization); ``unwritten``
-tells the first step which ones nobody has written yet.
+data anywhere; each process makes only its own stages' tensors on their
+devices, without values (``materialize``), so no rank ever holds the whole
+model. The caller then writes them (a checkpoint, an initialization);
+``unwritten`` tells the first step which ones nobody has written yet.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Fresh(NamedTuple):
     module: nn.Module
     attr: str
     tensor_id: int
+    nan: bool  # made filled with NaN (floating and complex dtypes)
     version: int
     data_ptr: int
 
@@ -64,8 +65,10 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
                 continue
             try:
                 fresh += materialize(layers, ranges[s], devices[rank])
-            except ValueError as exc:  # raised on every rank by the caller
-                problem = str(exc)
+            except (ValueError, RuntimeError) as exc:  # raised on every rank by the caller
+                problem = str(exc) if isinstance(exc, ValueError) else (
+                    f"layers {ranges[s].start}-{ranges[s].stop - 1}: their tensors could not be "
+                    f"made on {devices[rank]} ({type(exc).__name__}: {exc})")
                 continue
             part = nn.Sequential(*(layers[i] for i in ranges[s])).to(devices[rank])
             held[s] = Stage(s, part, devices[rank], chains, ranges[s])
@@ -75,48 +78,71 @@ def build_stages(layers: Sequence[nn.Module], ranges: Sequence[range], stage_to_
 
 def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: torch.device
                 ) -> list[Fresh]:
-    """Makes every meta tensor of ``layers[indices]`` an empty tensor on
-    ``device`` of the same shape, dtype and ``requires_grad``, in place
-    (``torch.utils.swap_tensors``: the Parameter objects stay the ones the
-    model and the caller hold, and a tensor two layers share stays one).
-    Its values are whatever the memory held: ``unwritten`` finds those that
-    nothing has written since."""
+    """Makes every meta tensor of ``layers[indices]`` a tensor on ``device``
+    of the same shape, dtype and ``requires_grad``, in place
+    (``torch.utils.swap_tensors``: the Parameter objects, their class and
+    attributes stay the ones the model and the caller hold, and a tensor two
+    layers share stays one). Floating and complex tensors are filled with
+    NaN, the others left empty: ``unwritten`` finds those nothing has
+    written since.
+
+    Raises:
+        ValueError: a tensor cannot be swapped in place (it has weak references).
+        RuntimeError: as ``torch.full_like`` and ``torch.empty_like`` (out of memory).
+    """
     made: set[int] = set()  # ids of the tensors made (a shared one is met again)
     fresh = []
     for i in indices:
         for prefix, module in layers[i].named_modules(remove_duplicate=False):
             for table in (module._parameters, module._buffers):
                 for attr, t in table.items():
-                    if t is None or not t.is_meta:
+                    if t is None or not t.is_meta or id(t) in made:
                         continue
-                    if id(t) not in made:
-                        new = torch.empty_like(t, device=device)
-                        if isinstance(t, nn.Parameter):
-                            new = nn.Parameter(new, requires_grad=t.requires_grad)
-                        name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
-                        try:
-                            torch.utils.swap_tensors(t, new)
-                        except RuntimeError as exc:
-                            raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta "
-                                             f"tensor {name} cannot be made on {device} in place "
-                                             f"({exc})") from exc
-                        made.add(id(t))
-                        fresh.append(Fresh(name, module, attr, id(t), t._version, t.data_ptr()))
+                    name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
+                    nan = t.is_floating_point() or t.is_complex()
+                    new = (torch.full_like(t, float("nan"), device=device) if nan
+                           else torch.empty_like(t, device=device))
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    new.__class__ = type(t)  # swap_tensors swaps classes and attributes too
+                    new.__dict__.update(t.__dict__)
+                    try:
+                        torch.utils.swap_tensors(t, new)
+                    except RuntimeError as exc:
+                        raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta tensor "
+                                         f"{name} cannot be made on {device} in place ({exc})"
+                                         ) from exc
+                    made.add(id(t))
+                    fresh.append(Fresh(name, module, attr, id(t), nan, t._version, t.data_ptr()))
     return fresh
 
 
 def unwritten(fresh: Sequence[Fresh]) -> list[str]:
     """The names of the ``fresh`` tensors nothing has written: still in
-    their module, with the version and memory ``materialize`` gave them (an
-    in-place write such as ``copy_`` or ``nn.init`` moves the version; a
-    load with ``assign=True`` puts another tensor there). A write through
-    ``.data`` is not seen: it bypasses the version counter."""
-    out = []
+    their module and, where ``materialize`` filled them with NaN, holding a
+    NaN anywhere (so no optimizer step at zero learning rate, dtype cast
+    or other rewrite of the same memory counts as a load); the others still
+    with the version and memory they were made with (an in-place write
+    moves the version, a load with ``assign=True`` puts another tensor
+    there; a write through ``.data`` is not seen). One host sync per call,
+    made once, before the first step."""
+    out: list[str] = []
+    nans: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}  # per device: one sync each
     for f in fresh:
         now = f.module._parameters.get(f.attr, f.module._buffers.get(f.attr))
-        if (now is not None and id(now) == f.tensor_id and now._version == f.version
-                and now.data_ptr() == f.data_ptr):
+        if now is None or id(now) != f.tensor_id:
+            continue  # replaced: what is there now is the caller's
+        if f.nan:
+            try:
+                nans.setdefault(now.device, []).append((f.name, now.isnan().any()))
+                continue
+            except RuntimeError:  # no isnan for this dtype here: the version tells
+                pass
+        if now._version == f.version and now.data_ptr() == f.data_ptr:
             out.append(f.name)
+    for flags in nans.values():
+        found = torch.stack([flag for _, flag in flags]).tolist()
+        out += [name for (name, _), bad in zip(flags, found) if bad]
     return out
 
 

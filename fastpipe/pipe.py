@@ -60,11 +60,11 @@ class Pipe(nn.Module):
     Args:
         model: the ``nn.Sequential`` to split. Built on the meta device
             (``with torch.device("meta"):``), it holds no data: this
-            process makes its own stages' tensors on their devices, empty
-            (the same Parameter objects), and the first ``step`` or forward
-            raises ValueError (on every rank) until each was written, by a
-            load or an initialization in place (``balance="auto"`` cannot
-            time such a model).
+            process makes its own stages' tensors on their devices (the
+            same Parameter objects; floating ones full of NaN), and the
+            first ``step`` or forward raises ValueError (on every rank)
+            until each was written, by a load or an initialization
+            (``balance="auto"`` cannot time such a model).
         chunks: microbatches per step; the batch is split along dim 0 into
             exactly this many parts (sizes differ by at most one).
         schedule: a name from ``fastpipe.schedules.names()`` or a ``Schedule``.
@@ -175,8 +175,10 @@ class Pipe(nn.Module):
         self.shm = self.distributed and self._runner.shm_link is not None
         self._grad_average = None  # GradAverage over dp_group, made with the stages
         # Replicas and tied copies are compared before the first step (and after
-        # a load); tensors made from a model built on meta must be written by then.
+        # a load); tensors made from a model built on meta must be written by
+        # then, and before the first forward.
         self._weights_checked = not self.distributed and not self._place.fresh
+        self._written_checked = self._weights_checked
         self._recording: list | None = None  # set by step_with_timeline
         # A zero-bubble schedule given by name is reordered once for the
         # action costs measured in this training step (``_order_by_step``).
@@ -321,7 +323,7 @@ class Pipe(nn.Module):
             self._split_by_time(x, loss_fn, target)
         if not self._weights_checked:
             self._place.check_weights()
-            self._weights_checked = True
+            self._weights_checked = self._written_checked = True
         return (loss_fn if factor is None else _args.scaled_loss(loss_fn, factor)), factor
 
     def _split_by_time(self, x: Any, loss_fn: LossFn | None = None, target: Any = None) -> None:
@@ -438,6 +440,7 @@ class Pipe(nn.Module):
         result = load_held(self.module, self._place.held_layers(), state_dict, strict, assign)
         # Compared again before the next step.
         self._weights_checked = not self.distributed and not self._place.fresh
+        self._written_checked = self._weights_checked
         return result
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -511,9 +514,9 @@ class Pipe(nn.Module):
         self._check_not_broken()
         if self._stages is None:
             self._split_by_time(x)
-        if not self._weights_checked:
-            self._place.check_weights()
-            self._weights_checked = True
+        if not self._written_checked:
+            self._place.check_written()
+            self._written_checked = True
         inputs, _, refused = self._split_inputs(x, None)
         results = self._run(self._forward_only, inputs, None, None, train=False, refuse=refused)
         if not results:

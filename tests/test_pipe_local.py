@@ -388,23 +388,31 @@ def test_meta_swap_keeps_shapes_sharing_and_buffers():
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_a_model_built_on_meta_is_made_on_the_devices_and_refused_until_written(schedule):
     """Built under torch.device("meta"): the stages' tensors are made on their
-    devices in place (the model's Parameter objects, a tie inside one rank
-    kept), a step or a forward before they are written names them, and once
+    devices in place (the model's Parameter objects with their attributes, a
+    tie inside one rank kept), a step or a forward before they are written
+    names them, also after what rewrites memory without loading it (DCP's
+    optimizer-state set-up steps AdamW at lr 0, a dtype cast), and once
     loaded the step is the unsplit model's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     from tests.models import gpt, gpt_batch, lm_loss, tied_embedding_model
 
     x, y = gpt_batch(8)
     with torch.device("meta"):
         model = gpt()
     params = list(model.parameters())
+    params[0].no_decay = True  # a tag an optimizer's groups may read
     balance = [1, 2, 2, 1] if schedule == "zbv" else [3, 3]
     pipe = Pipe(model, chunks=4, schedule=schedule, balance=balance, devices=["cpu", "cpu"],
                 stages_per_rank=SPR.get(schedule))
     try:
         assert list(model.parameters()) == params and all(p.device.type == "cpu" for p in params)
+        assert params[0].no_decay and type(params[0]) is nn.Parameter
+        get_state_dict(pipe, torch.optim.AdamW(pipe.parameters()))
+        model.float().double()  # new memory, still NaN
         for call in (lambda: pipe.step(x, y, lm_loss), lambda: pipe(x)):
             with pytest.raises(ValueError, match=r"^0\.tokens\.weight and \d+ more came from the meta "
-                                                 r"device empty and nothing has written them"):
+                                                 r"device and nothing has written them"):
                 call()
         ref = gpt()
         pipe.load_state_dict(ref.state_dict())
