@@ -90,15 +90,20 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
         ValueError: a tensor cannot be swapped in place (it has weak references).
         RuntimeError: as ``torch.full_like`` and ``torch.empty_like`` (out of memory).
     """
-    made: set[int] = set()  # ids of the tensors made (a shared one is met again)
+    made: dict[int, tuple] = {}  # id -> what Fresh keeps of it (a shared one is met again)
     fresh = []
     for i in indices:
         for prefix, module in layers[i].named_modules(remove_duplicate=False):
             for table in (module._parameters, module._buffers):
                 for attr, t in table.items():
-                    if t is None or not t.is_meta or id(t) in made:
+                    if t is None:
                         continue
                     name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
+                    if id(t) in made:  # shared: each place it is held is checked
+                        fresh.append(Fresh(name, module, attr, *made[id(t)]))
+                        continue
+                    if not t.is_meta:
+                        continue
                     nan = t.is_floating_point() or t.is_complex()
                     new = (torch.full_like(t, float("nan"), device=device) if nan
                            else torch.empty_like(t, device=device))
@@ -112,8 +117,8 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                         raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta tensor "
                                          f"{name} cannot be made on {device} in place ({exc})"
                                          ) from exc
-                    made.add(id(t))
-                    fresh.append(Fresh(name, module, attr, id(t), nan, t._version, t.data_ptr()))
+                    made[id(t)] = (id(t), nan, t._version, t.data_ptr())
+                    fresh.append(Fresh(name, module, attr, *made[id(t)]))
     return fresh
 
 

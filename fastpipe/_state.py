@@ -86,6 +86,16 @@ def load_held(model: nn.Sequential, layers: Collection[int], loaded: Mapping[str
         if missing:
             parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing))
         raise RuntimeError("Error(s) in loading state_dict for Pipe:\n\t" + "\n\t".join(parts))
+    if assign:  # a new object in one place would leave the others holding the old one
+        places: dict[int, list[str]] = {}
+        for name, t in full.items():
+            places.setdefault(id(t), []).append(name)
+        tied = next((names for names in places.values()
+                     if len(names) > 1 and any(n in held for n in names)), None)
+        if tied is not None:
+            raise ValueError(f"load_state_dict(assign=True) would untie {' and '.join(tied)} (one "
+                             "tensor, held in both places): load with assign=False, which "
+                             "copies into it")
     picked: dict[str, Any] = {}
     for key, value in loaded.items():
         name = first.get(key)

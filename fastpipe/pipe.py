@@ -434,6 +434,9 @@ class Pipe(nn.Module):
             RuntimeError: ``strict`` and an entry of this rank's stages is
                 missing, or a key names nothing in the model; or a shape
                 differs.
+            ValueError: ``assign`` and a tensor of this rank's stages is
+                held in two places (a tie), which a new object in one of
+                them would untie.
         """
         from fastpipe._state import load_held
 

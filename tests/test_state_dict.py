@@ -68,6 +68,10 @@ def test_load_takes_any_name_of_a_shared_tensor_and_checks_keys():
     assert result.missing_keys == ["3.bias"] and result.unexpected_keys == ["9.weight"]
     with pytest.raises(RuntimeError, match="size mismatch"):
         pipe.load_state_dict({**full, "1.weight": torch.zeros(2, 2, dtype=torch.float64)})
+    # assign=True would put a new object in one of the tie's places only.
+    with pytest.raises(ValueError, match=r"assign=True\) would untie 0\.weight and 4\.weight"):
+        pipe.load_state_dict(full, assign=True)
+    assert model[4].weight is model[0].weight
     pipe.close()
 
 
