@@ -17,7 +17,7 @@ from torch import nn
 from fastpipe import _args
 from fastpipe._args import Settings
 from fastpipe._dist_run import ranks_agree
-from fastpipe._stages import Fresh, build_stages, free_remote, meta_problem, unwritten
+from fastpipe._stages import Fresh, build_stages, free_remote, meta_problem, unwritten, written
 from fastpipe._ties import LocalTies, TiedGrads, check_local, find_ties
 from fastpipe.runtime.executor import Stage, last_backward
 
@@ -217,6 +217,7 @@ class Placement:
                 if cfg.dp_group is not None else {}
             check_weights(tied, cfg.rank, held, cfg.group, cfg.dp_group, cfg.devices[cfg.rank],
                           problem)
+        written(self.fresh)
         self.fresh = []
 
     def check_written(self) -> None:
@@ -233,6 +234,7 @@ class Placement:
             self._raise_on_all(problem)
         elif problem is not None:
             raise ValueError(problem)
+        written(self.fresh)
         self.fresh = []
 
     def _unwritten_problem(self) -> str | None:

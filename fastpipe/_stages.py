@@ -20,12 +20,15 @@ from torch import nn
 from fastpipe.runtime.executor import Stage
 
 __all__ = ["Fresh", "build_stages", "changed_layer", "free_remote", "materialize", "meta_problem",
-           "to_meta", "unwritten"]
+           "to_meta", "unwritten", "written"]
 
 # Marks the meta tensors free_remote put in place of data it freed: never
 # materialized again (their values are gone), unlike those of a model built
 # on meta.
 _RELEASED = "_fastpipe_released"
+# Marks a tensor materialize made, with what Fresh keeps of it, until a check
+# finds it written: a later Pipe over the same model checks it too.
+_MADE = "_fastpipe_made"
 
 
 class Fresh(NamedTuple):
@@ -102,6 +105,11 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                     if id(t) in made:  # shared: each place it is held is checked
                         fresh.append(Fresh(name, module, attr, *made[id(t)]))
                         continue
+                    earlier = getattr(t, _MADE, None)  # made by an earlier Pipe, not yet written
+                    if earlier is not None:
+                        made[id(t)] = earlier
+                        fresh.append(Fresh(name, module, attr, *earlier))
+                        continue
                     if not t.is_meta:
                         continue
                     nan = t.is_floating_point() or t.is_complex()
@@ -118,6 +126,7 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                                          f"{name} cannot be made on {device} in place ({exc})"
                                          ) from exc
                     made[id(t)] = (id(t), nan, t._version, t.data_ptr())
+                    setattr(t, _MADE, made[id(t)])
                     fresh.append(Fresh(name, module, attr, *made[id(t)]))
     return fresh
 
@@ -149,6 +158,15 @@ def unwritten(fresh: Sequence[Fresh]) -> list[str]:
         found = torch.stack([flag for _, flag in flags]).tolist()
         out += [name for (name, _), bad in zip(flags, found) if bad]
     return out
+
+
+def written(fresh: Sequence[Fresh]) -> None:
+    """Drops the mark ``materialize`` left on the ``fresh`` tensors, once
+    ``unwritten`` found none: later Pipes need not check them again."""
+    for f in fresh:
+        now = f.module._parameters.get(f.attr, f.module._buffers.get(f.attr))
+        if now is not None and id(now) == f.tensor_id and hasattr(now, _MADE):
+            delattr(now, _MADE)
 
 
 def changed_layer(now: Sequence[nn.Module], built: Sequence[nn.Module]) -> str | None:

@@ -16,6 +16,7 @@ would also ask for the second name).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -101,7 +102,12 @@ def load_held(model: nn.Sequential, layers: Collection[int], loaded: Mapping[str
         name = first.get(key)
         if name in wanted and (via[name] not in picked or key == name):
             picked[via[name]] = value  # under its first name, if given twice
-    model.load_state_dict(picked, strict=False, assign=assign)
+    # The modules' state-dict versions, as loaded (else the model's own): without
+    # them a module takes its old-checkpoint path (BatchNorm fills a missing
+    # num_batches_tracked with the one it holds).
+    chosen = OrderedDict(picked)
+    chosen._metadata = getattr(loaded, "_metadata", None) or getattr(full, "_metadata", None)
+    model.load_state_dict(chosen, strict=False, assign=assign)
     return _IncompatibleKeys(missing, unexpected)
 
 

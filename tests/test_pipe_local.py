@@ -451,6 +451,22 @@ def test_a_model_built_on_meta_is_made_on_the_devices_and_refused_until_written(
         pipe.close()
 
 
+def test_a_second_pipe_over_an_unwritten_meta_model_refuses_too():
+    with torch.device("meta"):
+        model = mlp()
+    x, y = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    for balance in ([2, 4], [5, 1]):  # the second Pipe finds nothing on meta any more
+        pipe = Pipe(model, chunks=2, schedule="1f1b", balance=balance, devices=["cpu", "cpu"])
+        with pytest.raises(ValueError, match="came from the meta device and nothing has written"):
+            pipe.step(x, y, F.mse_loss)
+        pipe.close()
+    pipe = Pipe(model, chunks=2, schedule="1f1b", devices=["cpu", "cpu"])
+    pipe.load_state_dict(mlp().state_dict())
+    pipe.step(x, y, F.mse_loss)
+    pipe.close()
+    assert not any(hasattr(p, "_fastpipe_made") for p in model.parameters())  # checked once
+
+
 def test_a_model_on_meta_needs_a_balance():
     from fastpipe import plan
 
