@@ -93,7 +93,6 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
         ValueError: a tensor cannot be swapped in place (it has weak references).
         RuntimeError: as ``torch.full_like`` and ``torch.empty_like`` (out of memory).
     """
-    made: dict[int, tuple] = {}  # id -> what Fresh keeps of it (a shared one is met again)
     fresh = []
     for i in indices:
         for prefix, module in layers[i].named_modules(remove_duplicate=False):
@@ -102,12 +101,10 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                     if t is None:
                         continue
                     name = f"{i}.{prefix + '.' if prefix else ''}{attr}"
-                    if id(t) in made:  # shared: each place it is held is checked
-                        fresh.append(Fresh(name, module, attr, *made[id(t)]))
-                        continue
-                    earlier = getattr(t, _MADE, None)  # made by an earlier Pipe, not yet written
+                    # Made already (a tensor held in two places, each checked; or
+                    # by an earlier Pipe, and not yet found written).
+                    earlier = getattr(t, _MADE, None)
                     if earlier is not None:
-                        made[id(t)] = earlier
                         fresh.append(Fresh(name, module, attr, *earlier))
                         continue
                     if not t.is_meta:
@@ -125,9 +122,8 @@ def materialize(layers: Sequence[nn.Module], indices: Sequence[int], device: tor
                         raise ValueError(f"layer {i} ({type(layers[i]).__name__}): its meta tensor "
                                          f"{name} cannot be made on {device} in place ({exc})"
                                          ) from exc
-                    made[id(t)] = (id(t), nan, t._version, t.data_ptr())
-                    setattr(t, _MADE, made[id(t)])
-                    fresh.append(Fresh(name, module, attr, *made[id(t)]))
+                    setattr(t, _MADE, (id(t), nan, t._version, t.data_ptr()))
+                    fresh.append(Fresh(name, module, attr, *getattr(t, _MADE)))
     return fresh
 
 
@@ -143,8 +139,8 @@ def unwritten(fresh: Sequence[Fresh]) -> list[str]:
     out: list[str] = []
     nans: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}  # per device: one sync each
     for f in fresh:
-        now = f.module._parameters.get(f.attr, f.module._buffers.get(f.attr))
-        if now is None or id(now) != f.tensor_id:
+        now = _still_there(f)
+        if now is None:
             continue  # replaced: what is there now is the caller's
         if f.nan:
             try:
@@ -164,9 +160,15 @@ def written(fresh: Sequence[Fresh]) -> None:
     """Drops the mark ``materialize`` left on the ``fresh`` tensors, once
     ``unwritten`` found none: later Pipes need not check them again."""
     for f in fresh:
-        now = f.module._parameters.get(f.attr, f.module._buffers.get(f.attr))
-        if now is not None and id(now) == f.tensor_id and hasattr(now, _MADE):
+        now = _still_there(f)
+        if now is not None and hasattr(now, _MADE):
             delattr(now, _MADE)
+
+
+def _still_there(f: Fresh) -> torch.Tensor | None:
+    """The tensor ``f`` names if its module still holds it, else None."""
+    now = f.module._parameters.get(f.attr, f.module._buffers.get(f.attr))
+    return now if now is not None and id(now) == f.tensor_id else None
 
 
 def changed_layer(now: Sequence[nn.Module], built: Sequence[nn.Module]) -> str | None:
